@@ -1,0 +1,54 @@
+# vcuda-agent: `make demo` and `make test` do all set-up themselves (Debian/Ubuntu, as root).
+SHELL := /bin/bash
+PYTHON ?= /usr/bin/python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard agent/platform/kubelet/pb/*.proto)
+
+.PHONY: all setup host demo test lint format bench proto clean
+
+all: test
+
+host:
+	@bash deploy/host/setup.sh
+
+# The venv: the package editable with its dev tools, and Debian's bcc linked in.
+$(STAMP): pyproject.toml | host
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[dev]'
+	@site=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  ln -sfn /usr/lib/python3/dist-packages/bcc "$$site/bcc"; \
+	  $(VPY) -c 'import bcc, os; print("setup: bcc", bcc.__version__ if hasattr(bcc, "__version__") else "", "from", os.path.realpath(bcc.__file__))'
+	@touch $(STAMP)
+
+setup: host $(STAMP)
+	@echo "setup: $(VENV)/bin/vcuda-agent ready"
+
+demo: setup
+	$(VENV)/bin/vcuda-agent demo
+
+test: setup
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check agent tests bench
+	$(VENV)/bin/ruff format --check agent tests bench
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix agent tests bench
+	$(VENV)/bin/ruff format agent tests bench
+
+bench: setup
+	$(VPY) bench/allocate.py
+
+# Regenerate the gRPC stubs (committed) from the .proto files.
+proto: setup
+	$(VPY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
+	  --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
+	  --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,40 @@
+"""The health loop: backend events → policy → health board (→ ListAndWatch)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from agent.domain.health import HealthBoard, HealthPolicy
+from agent.platform.gpu.inventory import GpuBackend
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self, backend: GpuBackend, policy: HealthPolicy, board: HealthBoard, wait_s: float = 0.5
+    ) -> None:
+        self._backend = backend
+        self._policy = policy
+        self._board = board
+        self._wait_s = wait_s
+        self.events_seen = 0
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            for event in self._backend.wait_events(self._wait_s):
+                self.events_seen += 1
+                verdict = self._policy.verdict(event)
+                if verdict is None:
+                    log.info(
+                        "GPU %d: XID %s ignored by policy (%s)",
+                        event.gpu_index,
+                        event.xid,
+                        event.detail,
+                    )
+                    continue
+                healthy, reason = verdict
+                if self._board.set(event.gpu_index, healthy, reason):
+                    state = "Healthy" if healthy else "Unhealthy"
+                    log.warning("GPU %d is now %s: %s", event.gpu_index, state, reason)

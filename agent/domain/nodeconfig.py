@@ -1,0 +1,131 @@
+"""The node config (ConfigMap ``gpu-manager-config``, key ``config.json``).
+
+    {"nodeConfig": [{"name": "gpu-node-1", "deviceMemoryScaling": 0.9,
+                     "containerRuntimeEndpoint": "/run/containerd/containerd.sock",
+                     "cgroupDriver": "systemd"}]}
+
+Nodes that are not listed get the defaults. Parsing reports every invalid field
+with the node it belongs to, not just the first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ConfigError
+
+CGROUP_DRIVERS = ("systemd", "cgroupfs")
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NODE_FIELDS = ("name", "deviceMemoryScaling", "containerRuntimeEndpoint", "cgroupDriver")
+_TOP_FIELDS = ("nodeConfig",)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Per-node settings; ``None`` means auto-detect."""
+
+    name: str
+    device_memory_scaling: float = 1.0  # vcuda-memory advertised = GPU memory x this, 0 < x <= 1
+    container_runtime_endpoint: str | None = None  # e.g. unix:///run/containerd/containerd.sock
+    cgroup_driver: str | None = None  # "systemd" or "cgroupfs"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: Mapping[str, NodeConfig] = field(default_factory=dict)
+
+    def for_node(self, name: str) -> NodeConfig:
+        return self.nodes.get(name) or NodeConfig(name=name)
+
+
+def parse_config(text: str, source: str = "config") -> ClusterConfig:
+    """Parse and validate; raise ``ConfigError`` listing every problem."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError([f"{source}: not valid JSON: {err}"]) from err
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{source}: the top level must be a JSON object with a nodeConfig list"])
+    problems += [
+        f"{source}: unknown field {k!r} (known: {', '.join(_TOP_FIELDS)})"
+        for k in raw
+        if k not in _TOP_FIELDS
+    ]
+    entries = raw.get("nodeConfig", [])
+    if not isinstance(entries, list):
+        problems.append(f"{source}: nodeConfig must be a list, got {_kind(entries)}")
+        entries = []
+    nodes: dict[str, NodeConfig] = {}
+    for i, entry in enumerate(entries):
+        node = _parse_node(entry, f"{source}: nodeConfig[{i}]", problems)
+        if node is None:
+            continue
+        if node.name in nodes:
+            problems.append(f"{source}: nodeConfig[{i}] (node {node.name!r}): node listed twice")
+        nodes[node.name] = node
+    if problems:
+        raise ConfigError(problems)
+    return ClusterConfig(nodes)
+
+
+def load_config(path: Path) -> ClusterConfig:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read: {err.strerror or err}"]) from err
+    return parse_config(text, str(path))
+
+
+def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | None:
+    if not isinstance(entry, dict):
+        problems.append(f"{where}: must be an object, got {_kind(entry)}")
+        return None
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        problems.append(f"{where}: name is required and must be a non-empty string")
+        return None
+    where = f"{where} (node {name!r})"
+    before = len(problems)
+    if len(name) > 253 or not _NODE_NAME.fullmatch(name):
+        problems.append(f"{where}: name is not a valid Kubernetes node name (lowercase DNS subdomain)")
+    problems += [
+        f"{where}: unknown field {k!r} (known: {', '.join(_NODE_FIELDS)})"
+        for k in entry
+        if k not in _NODE_FIELDS
+    ]
+    scaling = entry.get("deviceMemoryScaling", 1.0)
+    valid_number = (
+        isinstance(scaling, int | float) and not isinstance(scaling, bool) and math.isfinite(scaling)
+    )
+    if not valid_number or not 0 < scaling <= 1:
+        problems.append(f"{where}: deviceMemoryScaling must be a number with 0 < x <= 1, got {scaling!r}")
+    endpoint = entry.get("containerRuntimeEndpoint")
+    if endpoint is not None and not _valid_endpoint(endpoint):
+        problems.append(
+            f"{where}: containerRuntimeEndpoint must be an absolute socket path or unix:///path, "
+            f"got {endpoint!r}"
+        )
+    driver = entry.get("cgroupDriver")
+    if driver is not None and driver not in CGROUP_DRIVERS:
+        problems.append(f"{where}: cgroupDriver must be one of {', '.join(CGROUP_DRIVERS)}, got {driver!r}")
+    if len(problems) > before:
+        return None
+    return NodeConfig(name, float(scaling), endpoint, driver)
+
+
+def _valid_endpoint(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    path = value.removeprefix("unix://")
+    return path.startswith("/") and len(path) > 1
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__

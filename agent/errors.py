@@ -1,0 +1,81 @@
+"""The project's own exception tree.
+
+OS, NVML and gRPC errors are translated into these at the platform boundary
+(``raise ... from err``) so upper layers handle one family of errors.
+"""
+
+from __future__ import annotations
+
+
+class VcudaError(Exception):
+    """Base class of every error the agent raises on purpose."""
+
+
+class ConfigError(VcudaError):
+    """Invalid settings or node config; ``problems`` lists every invalid field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems) if self.problems else "invalid configuration")
+
+
+class GpuError(VcudaError):
+    """A GPU backend (NVML or simulated) could not answer."""
+
+
+class NvmlError(GpuError):
+    """NVML returned an error code; ``code`` is the NVML_ERROR_* value."""
+
+    def __init__(self, code: int, message: str, gpu_index: int | None = None) -> None:
+        self.code = code
+        self.gpu_index = gpu_index
+        where = f"GPU {gpu_index}: " if gpu_index is not None else ""
+        super().__init__(f"{where}NVML error {code}: {message}")
+
+
+class GpuLostError(GpuError):
+    """The GPU fell off the bus or needs a reset; it is unusable until then."""
+
+    def __init__(self, gpu_index: int, detail: str) -> None:
+        self.gpu_index = gpu_index
+        super().__init__(f"GPU {gpu_index} is lost: {detail}")
+
+
+class NoSuchGpuError(GpuError):
+    """A GPU index or UUID that the inventory does not have."""
+
+
+class SimulationError(GpuError):
+    """The simulated GPU node is missing or its state is unusable."""
+
+
+class InvalidSpecError(VcudaError):
+    """A malformed ``--simulate`` spec or other user-supplied spec string."""
+
+
+class AllocationError(VcudaError):
+    """A device request breaks a rule (e.g. 150 vcuda-core) or cannot be placed."""
+
+
+class DeviceIdError(AllocationError):
+    """A device ID that is malformed or names an unknown GPU."""
+
+
+class InsufficientCapacityError(AllocationError):
+    """A valid request that the free devices cannot satisfy."""
+
+
+class GpuUnhealthyError(AllocationError):
+    """A request for a GPU that is Unhealthy."""
+
+
+class KubeletError(VcudaError):
+    """Talking to kubelet (registration, sockets) failed."""
+
+
+class ProcessGoneError(VcudaError):
+    """A process exited, or its pid now belongs to another process."""
+
+
+class PlatformError(VcudaError):
+    """An OS facility (inotify, procfs, cgroupfs) failed."""

@@ -1,0 +1,118 @@
+"""Finding the host's NVIDIA driver libraries and tools.
+
+With the ``mounts`` device-list strategy each container gets them read-only under
+/usr/local/nvidia, so plain runc runs CUDA programs without the NVIDIA container
+runtime. Symlinks are resolved inside the driver root, so every mount names a
+real file on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+log = logging.getLogger(__name__)
+
+CONTAINER_ROOT = PurePosixPath("/usr/local/nvidia")
+LIBRARY_PREFIXES = (
+    "libcuda.so",
+    "libcudadebugger.so",
+    "libnvidia-ml.so",
+    "libnvidia-ptxjitcompiler.so",
+    "libnvidia-nvvm.so",
+    "libnvidia-gpucomp.so",
+    "libnvidia-allocator.so",
+    "libnvidia-cfg.so",
+    "libnvidia-opencl.so",
+    "libnvidia-encode.so",
+    "libnvcuvid.so",
+    "libnvidia-opticalflow.so",
+    "libnvidia-pkcs11.so",
+)
+BINARIES = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+LIBRARY_DIRS = (
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "usr/lib",
+    "lib64",
+    "usr/local/nvidia/lib64",
+)
+BINARY_DIRS = ("usr/bin", "usr/local/bin", "bin", "usr/local/nvidia/bin")
+_MAX_LINK_HOPS = 16
+
+
+@dataclass(frozen=True)
+class DriverMount:
+    container_path: str
+    host_path: str
+
+
+@dataclass(frozen=True)
+class DriverFiles:
+    libraries: tuple[DriverMount, ...] = ()
+    binaries: tuple[DriverMount, ...] = ()
+
+    @property
+    def mounts(self) -> tuple[DriverMount, ...]:
+        return self.libraries + self.binaries
+
+
+def discover_driver_files(host_root: Path, visible_root: Path | None = None) -> DriverFiles:
+    """Driver files under ``visible_root`` (this process's view), named by their ``host_root`` paths."""
+    seen_at = visible_root or host_root
+    libraries = _collect(seen_at, host_root, LIBRARY_DIRS, lambda n: n.startswith(LIBRARY_PREFIXES), "lib64")
+    binaries = _collect(seen_at, host_root, BINARY_DIRS, lambda n: n in BINARIES, "bin")
+    if not libraries:
+        log.info("no NVIDIA driver libraries under %s: containers get device nodes only", seen_at)
+    return DriverFiles(libraries, binaries)
+
+
+def _collect(
+    seen_at: Path,
+    host_root: Path,
+    dirs: tuple[str, ...],
+    wanted: Callable[[str], bool],
+    subdir: str,
+) -> tuple[DriverMount, ...]:
+    mounts: dict[str, DriverMount] = {}
+    for rel_dir in dirs:
+        directory = seen_at / rel_dir
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue  # this layout does not use the directory
+        for name in names:
+            if name in mounts or not wanted(name):
+                continue
+            target = _resolve_inside(seen_at, PurePosixPath("/") / rel_dir / name)
+            if target is None:
+                continue
+            mounts[name] = DriverMount(
+                str(CONTAINER_ROOT / subdir / name), str(host_root / target.relative_to("/"))
+            )
+    return tuple(mounts.values())
+
+
+def _resolve_inside(root: Path, path: PurePosixPath) -> PurePosixPath | None:
+    """Follow symlinks as the host would, treating ``root`` as ``/``; None if dangling or not a file."""
+    current = path
+    for _ in range(_MAX_LINK_HOPS):
+        real = root / current.relative_to("/")
+        if real.is_symlink():
+            link = PurePosixPath(os.readlink(real))
+            current = link if link.is_absolute() else current.parent / link
+            current = PurePosixPath(os.path.normpath(current))
+            continue
+        return current if real.is_file() else None
+    log.warning("too many symlinks resolving %s under %s", path, root)
+    return None

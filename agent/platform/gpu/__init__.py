@@ -1,0 +1,1 @@
+"""GPU backends (NVML, simulated) behind the ``GpuBackend`` interface."""

@@ -1,0 +1,18 @@
+"""Choosing the GPU backend: simulated when a spec is given, NVML otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent.platform.gpu.inventory import GpuBackend
+from agent.platform.gpu.nvml import open_nvml_backend
+from agent.platform.gpu.simulated import SimulatedBackend
+
+
+def open_backend(
+    simulate: str | None, node_name: str, sim_state_dir: Path, sim_cores: Sequence[int] | None = None
+) -> GpuBackend:
+    if simulate:
+        return SimulatedBackend(simulate, node_name, sim_state_dir, cores=sim_cores)
+    return open_nvml_backend()

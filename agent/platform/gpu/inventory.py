@@ -1,0 +1,148 @@
+"""What a GPU backend reports: devices, topology, events and per-process samples.
+
+Both backends (NVML and simulated) implement ``GpuBackend``; nothing above the
+platform layer knows which one it talks to.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class TopologyLevel(enum.IntEnum):
+    """How close two GPUs sit on PCIe; a larger value is closer.
+
+    Mirrors NVML's ``nvmlGpuTopologyLevel_t`` in reverse order so that
+    comparisons read naturally (``a > b`` means ``a`` is the better link).
+    """
+
+    SYSTEM = 0  # across CPU sockets (SMP interconnect)
+    NODE = 1  # same NUMA node, different host bridges
+    HOSTBRIDGE = 2  # same PCIe host bridge
+    MULTIPLE_SWITCH = 3  # several PCIe switches apart
+    SINGLE_SWITCH = 4  # behind one PCIe switch
+    BOARD = 5  # same board (multi-GPU card)
+
+
+@dataclass(frozen=True)
+class Link:
+    """The connection between two GPUs: PCIe closeness plus NVLink count."""
+
+    level: TopologyLevel
+    nvlinks: int = 0
+
+    def rank(self) -> tuple[int, int]:
+        """Sort key: any NVLink beats any PCIe path; then more links, then closer PCIe."""
+        return (self.nvlinks, int(self.level))
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """Static facts about one physical GPU."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    minor: int  # /dev/nvidia<minor>
+    pci_bus_id: str
+    numa_node: int | None  # None when the platform does not say
+
+    @property
+    def device_path(self) -> str:
+        return f"/dev/nvidia{self.minor}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Pairwise links; keys are ``(i, j)`` GPU indexes with ``i < j``."""
+
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+
+    def link(self, a: int, b: int) -> Link:
+        if a == b:
+            raise ValueError("a GPU has no link to itself")
+        key = (a, b) if a < b else (b, a)
+        return self.links.get(key, Link(TopologyLevel.SYSTEM))
+
+
+class EventKind(enum.Enum):
+    XID = "xid"  # the driver reported an XID error
+    LOST = "lost"  # the GPU fell off the bus / needs a reset
+    RECOVERED = "recovered"  # the GPU was reset and answers again (simulator, operator)
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """A raw health event from the backend; ``HealthPolicy`` decides what it means."""
+
+    gpu_index: int
+    kind: EventKind
+    xid: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One per-process utilization sample, as NVML reports them.
+
+    ``timestamp_us`` is the CPU timestamp in microseconds (wall clock) at which
+    the sample window ended; samples can arrive seconds late.
+    """
+
+    pid: int
+    timestamp_us: int
+    sm_util: int  # percent of the GPU's SMs, 0..100
+    mem_util: int = 0  # percent of memory bandwidth
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """GPU memory a process holds on one GPU."""
+
+    pid: int
+    used_bytes: int
+
+
+class GpuBackend(Protocol):
+    """The one interface the agent uses to learn about GPUs."""
+
+    @property
+    def name(self) -> str:
+        """``"nvml"`` or ``"simulated"``."""
+        ...
+
+    def gpus(self) -> Sequence[GpuInfo]:
+        """All GPUs, ordered by index."""
+        ...
+
+    def topology(self) -> Topology:
+        """Pairwise links between GPUs."""
+        ...
+
+    def wait_events(self, timeout_s: float) -> list[DeviceEvent]:
+        """Block up to ``timeout_s`` for health events; ``[]`` on timeout."""
+        ...
+
+    def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
+        """Per-process samples newer than ``since_us``; ``[]`` when none are new."""
+        ...
+
+    def process_memory(self, index: int) -> list[ProcessMemory]:
+        """Processes holding memory on the GPU now."""
+        ...
+
+    def device_utilization(self, index: int) -> int:
+        """Current SM utilization of the whole GPU, in percent."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend (NVML shutdown, watchers stopped)."""
+        ...
+
+
+def by_uuid(gpus: Sequence[GpuInfo]) -> dict[str, GpuInfo]:
+    return {g.uuid: g for g in gpus}

@@ -1,0 +1,63 @@
+"""A simulated GPU workload: a process pinned to its GPU's CPU core that burns a
+chosen share of that core and declares an amount of GPU memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import InvalidSpecError, PlatformError, SimulationError
+from agent.platform.gpu.simstate import SimProcess, SimStateDir
+from agent.platform.procfs import ProcFS
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    gpu: int
+    memory_mib: int
+    busy: float  # share of the core to burn, 0..1
+    duration_s: float | None = None  # None: until stopped
+    period_s: float = 0.05  # one busy/idle cycle
+
+    def validate(self) -> None:
+        if not 0.0 <= self.busy <= 1.0:
+            raise InvalidSpecError(f"--busy must be between 0 and 1, got {self.busy}")
+        if self.memory_mib < 0:
+            raise InvalidSpecError(f"--memory-mib must be >= 0, got {self.memory_mib}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise InvalidSpecError(f"--duration must be > 0, got {self.duration_s}")
+
+
+def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> None:
+    """Register with the simulated node, burn CPU until ``stop`` or the duration ends."""
+    spec.validate()
+    state = SimStateDir(state_dir)
+    core = state.read_node().core_of(spec.gpu)
+    try:
+        os.sched_setaffinity(0, {core})
+    except OSError as err:
+        raise SimulationError(f"cannot pin the workload to CPU core {core}: {err}") from err
+    try:
+        me = ProcFS().identity(os.getpid())
+    except PlatformError as err:
+        raise SimulationError(f"cannot read this process's start time: {err}") from err
+    state.register_process(SimProcess(me.pid, me.start_ticks, spec.gpu, spec.memory_mib))
+    try:
+        _burn(spec, stop)
+    finally:
+        state.unregister_process(me.pid)
+
+
+def _burn(spec: WorkloadSpec, stop: threading.Event) -> None:
+    end = None if spec.duration_s is None else time.monotonic() + spec.duration_s
+    busy_s = spec.period_s * spec.busy
+    while not stop.is_set() and (end is None or time.monotonic() < end):
+        cycle_start = time.perf_counter()
+        while time.perf_counter() - cycle_start < busy_s:
+            pass  # burning CPU is the workload
+        idle_s = spec.period_s - (time.perf_counter() - cycle_start)
+        if idle_s > 0 and stop.wait(idle_s):
+            break

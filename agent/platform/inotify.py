@@ -1,0 +1,110 @@
+"""inotify(7) through libc, for watching kubelet's device-plugin directory.
+
+kubelet signals a restart by deleting the sockets in the directory and creating
+a new kubelet.sock; an inode number alone cannot tell (it is often reused), so
+the agent watches for the create and delete events themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import select
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import PlatformError
+
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_IGNORED = 0x00008000
+IN_Q_OVERFLOW = 0x00004000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+
+_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
+
+
+@dataclass(frozen=True)
+class InotifyEvent:
+    mask: int
+    name: str
+
+    @property
+    def created(self) -> bool:
+        return bool(self.mask & (IN_CREATE | IN_MOVED_TO))
+
+    @property
+    def deleted(self) -> bool:
+        return bool(self.mask & (IN_DELETE | IN_MOVED_FROM))
+
+    @property
+    def watch_gone(self) -> bool:
+        """The watched directory itself was deleted or moved, or events were lost."""
+        return bool(self.mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW))
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+class DirectoryWatch:
+    """Create/delete events for the entries of one directory."""
+
+    MASK = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        libc = _libc()
+        fd = int(libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise PlatformError(f"inotify_init1 failed: {os.strerror(err)}")
+        self._fd = fd
+        wd = int(libc.inotify_add_watch(fd, os.fsencode(directory), self.MASK))
+        if wd < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise PlatformError(f"cannot watch {directory}: {os.strerror(err)}")
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def read(self, timeout_s: float) -> list[InotifyEvent]:
+        """Events that arrive within ``timeout_s``; ``[]`` on timeout."""
+        if self._fd < 0:
+            raise PlatformError("the inotify watch is closed")
+        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
+        if not ready:
+            return []
+        try:
+            data = os.read(self._fd, 64 * 1024)
+        except BlockingIOError:
+            return []
+        except OSError as err:
+            raise PlatformError(f"reading inotify events for {self.directory} failed: {err}") from err
+        events: list[InotifyEvent] = []
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            _wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+            raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
+            events.append(InotifyEvent(mask, os.fsdecode(raw.rstrip(b"\0"))))
+            offset += _HEADER.size + length
+        return events
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> DirectoryWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""kubelet's gRPC APIs (device plugin v1beta1) and the device-plugin directory."""

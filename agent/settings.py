@@ -1,0 +1,103 @@
+"""The agent's settings: documented dataclasses, built once at start from the CLI.
+
+Nothing else reads the environment or argv; components get the part of the
+settings they need.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.domain.health import DEFAULT_IGNORED_XIDS
+from agent.errors import ConfigError
+
+DEFAULT_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+DEFAULT_SIM_STATE_DIR = Path("/run/vcuda-agent/sim")
+DEFAULT_METRICS_PORT = 5678  # gpu-manager's port; 9400 stays free for dcgm-exporter
+
+
+class DeviceListStrategy(enum.StrEnum):
+    """How Allocate hands GPUs to the container."""
+
+    MOUNTS = "mounts"  # device nodes + host driver files mounted at /usr/local/nvidia (plain runc)
+    ENVVAR = "envvar"  # NVIDIA_VISIBLE_DEVICES=<uuids> for the NVIDIA container runtime
+    CDI = "cdi"  # CDI device names nvidia.com/gpu=<uuid>
+
+
+@dataclass(frozen=True)
+class DevicePluginSettings:
+    """The kubelet device plugin for nvidia.com/vcuda-core."""
+
+    directory: Path = DEFAULT_PLUGIN_DIR  # kubelet's device-plugin dir (kubelet.sock lives here)
+    socket_name: str = "vcuda-core.sock"  # our socket, relative to ``directory``
+    resource_name: str = "nvidia.com/vcuda-core"
+    device_list_strategy: DeviceListStrategy = DeviceListStrategy.MOUNTS
+    driver_root: Path = Path("/")  # host path of the NVIDIA driver files and /dev
+    driver_root_in_agent: Path | None = None  # where this process sees driver_root (None: the same)
+    register_retry_s: float = 5.0  # retry registration this often while kubelet is unreachable
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / self.socket_name
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.directory / "kubelet.sock"
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """GPU health from XID events."""
+
+    ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS  # XIDs that do not make a GPU Unhealthy
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """Simulated GPUs (``--simulate``) instead of NVML."""
+
+    spec: str | None = None  # e.g. "2xH100-80GB"; None: use NVML
+    state_dir: Path = DEFAULT_SIM_STATE_DIR  # shared with sim-workload and sim-event
+    cores: tuple[int, ...] | None = None  # CPU cores backing the GPUs (None: the allowed cores)
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """The HTTP endpoint for /metrics, /healthz and /readyz."""
+
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_METRICS_PORT  # 0: any free port
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_name: str
+    use_kube: bool = True  # False with --no-kube: no Kubernetes API at all
+    config_file: Path | None = None  # node config JSON (ConfigMap gpu-manager-config)
+    config_reload_s: float = 10.0  # how often the config file is re-read
+    plugin: DevicePluginSettings = field(default_factory=DevicePluginSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    simulation: SimulationSettings = field(default_factory=SimulationSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too); port 0 means any free port."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ConfigError([f"--metrics-address {text!r}: expected HOST:PORT, e.g. 0.0.0.0:5678"])
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError([f"--metrics-address {text!r}: port must be 0..65535"])
+    return host.strip("[]") or "0.0.0.0", port
+
+
+def parse_int_set(text: str, what: str) -> frozenset[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if not t.isdigit()]
+    if bad:
+        raise ConfigError([f"{what}: {', '.join(bad)} are not non-negative integers"])
+    return frozenset(int(t) for t in items)

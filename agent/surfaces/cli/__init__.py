@@ -1,0 +1,1 @@
+"""The vcuda-agent command line."""

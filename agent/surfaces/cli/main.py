@@ -1,0 +1,156 @@
+"""``vcuda-agent``: argument parsing and dispatch to the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from agent import __version__
+from agent.settings import DEFAULT_PLUGIN_DIR, DEFAULT_SIM_STATE_DIR, DeviceListStrategy
+from agent.surfaces.cli import demo, run, sim
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vcuda-agent",
+        description="Kubernetes node agent that shares NVIDIA GPUs between pods "
+        "(nvidia.com/vcuda-core, nvidia.com/vcuda-memory) with limits enforced from outside the workload.",
+        epilog="Start with `vcuda-agent demo` to see a simulated 2-GPU node at work.",
+    )
+    parser.add_argument("--version", action="version", version=f"vcuda-agent {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("run", parents=[common], help="run the node agent", description=run.__doc__)
+    p.add_argument("--node-name", help="this node's name (default: $NODE_NAME, else the host name)")
+    p.add_argument(
+        "--simulate",
+        metavar="SPEC",
+        help="simulate GPUs instead of NVML, e.g. 2xH100-80GB or 1xA100-40GB,1xT4-16GB",
+    )
+    p.add_argument(
+        "--device-plugin-dir",
+        type=str,
+        default=str(DEFAULT_PLUGIN_DIR),
+        metavar="DIR",
+        help=f"kubelet's device-plugin directory (default {DEFAULT_PLUGIN_DIR})",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="node config JSON (ConfigMap gpu-manager-config, key config.json)",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default="0.0.0.0:5678",
+        metavar="HOST:PORT",
+        help="serve /metrics, /healthz, /readyz here (port 0: any free port; default 0.0.0.0:5678)",
+    )
+    p.add_argument("--no-metrics", action="store_true", help="do not serve metrics")
+    p.add_argument(
+        "--no-kube",
+        action="store_true",
+        help="run without the Kubernetes API: device plugin, metrics and enforcement only",
+    )
+    p.add_argument(
+        "--device-list-strategy",
+        choices=[s.value for s in DeviceListStrategy],
+        default="mounts",
+        help="mounts: device nodes + host driver files at /usr/local/nvidia (plain runc); "
+        "envvar: NVIDIA_VISIBLE_DEVICES for the NVIDIA runtime; cdi: CDI names nvidia.com/gpu=<uuid>",
+    )
+    p.add_argument(
+        "--driver-root",
+        default="/",
+        metavar="DIR",
+        help="host path holding the NVIDIA driver files and /dev (default /)",
+    )
+    p.add_argument(
+        "--driver-root-in-agent",
+        metavar="DIR",
+        help="where this process sees --driver-root, when it runs in a container (default: the same)",
+    )
+    p.add_argument(
+        "--ignored-xids",
+        metavar="LIST",
+        help="XIDs that do not make a GPU Unhealthy (default 13,31,43,45,68,109)",
+    )
+    _add_sim_state_dir(p)
+    p.add_argument(
+        "--sim-cores",
+        metavar="LIST",
+        help="CPU cores backing simulated GPUs (default: all allowed cores)",
+    )
+    p.set_defaults(func=run.main)
+
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="a simulated 2-GPU node with an emulated kubelet admitting example pods",
+        description=demo.__doc__,
+    )
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="keep sockets, state and the agent log here (default: a temp dir)",
+    )
+    p.add_argument("--simulate", default="2xH100-80GB", metavar="SPEC", help="GPUs of the demo node")
+    p.set_defaults(func=demo.main)
+
+    p = sub.add_parser(
+        "sim-workload",
+        parents=[common],
+        help="a workload on a simulated GPU (burns its CPU core)",
+        description=sim.workload_main.__doc__,
+    )
+    p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
+    p.add_argument("--memory-mib", type=int, default=0, help="GPU memory this workload declares, in MiB")
+    p.add_argument("--busy", type=float, default=1.0, help="share of the GPU (its CPU core) to use, 0..1")
+    p.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM/SIGINT)")
+    _add_sim_state_dir(p)
+    p.set_defaults(func=sim.workload_main)
+
+    p = sub.add_parser(
+        "sim-event",
+        parents=[common],
+        help="inject a health event into a simulated GPU",
+        description=sim.event_main.__doc__,
+    )
+    p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument(
+        "--xid", type=int, help="an XID error, e.g. 79 (fell off the bus) or 48 (double-bit ECC)"
+    )
+    kind.add_argument("--lost", action="store_true", help="the GPU falls off the bus")
+    kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
+    _add_sim_state_dir(p)
+    p.set_defaults(func=sim.event_main)
+    return parser
+
+
+def _add_sim_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sim-state-dir",
+        default=str(DEFAULT_SIM_STATE_DIR),
+        metavar="DIR",
+        help=f"state shared by the simulated node and its workloads (default {DEFAULT_SIM_STATE_DIR})",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    code: int = args.func(args)
+    return code

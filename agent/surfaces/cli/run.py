@@ -1,0 +1,114 @@
+"""Run the node agent: serve the vcuda-core device plugin to kubelet, watch GPU
+health, serve metrics. SIGTERM or SIGINT stops it cleanly (exit 0, sockets removed);
+SIGHUP re-reads --config at once (it is also re-read every 10 s)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from agent.domain.nodeconfig import ClusterConfig, load_config
+from agent.errors import ConfigError, VcudaError
+from agent.settings import (
+    DeviceListStrategy,
+    DevicePluginSettings,
+    HealthSettings,
+    MetricsSettings,
+    Settings,
+    SimulationSettings,
+    parse_address,
+    parse_int_set,
+)
+from agent.surfaces.node import NodeAgent
+
+log = logging.getLogger(__name__)
+
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The one place where argv and the environment become settings."""
+    problems: list[str] = []
+    host, port = "0.0.0.0", 5678
+    try:
+        host, port = parse_address(args.metrics_address)
+    except ConfigError as err:
+        problems += err.problems
+    health = HealthSettings()
+    if args.ignored_xids is not None:
+        try:
+            health = HealthSettings(ignored_xids=parse_int_set(args.ignored_xids, "--ignored-xids"))
+        except ConfigError as err:
+            problems += err.problems
+    cores = None
+    if args.sim_cores:
+        try:
+            cores = tuple(sorted(parse_int_set(args.sim_cores, "--sim-cores")))
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    driver_in_agent = Path(args.driver_root_in_agent) if args.driver_root_in_agent else None
+    return Settings(
+        node_name=args.node_name or os.environ.get("NODE_NAME") or socket.gethostname(),
+        use_kube=not args.no_kube,
+        config_file=Path(args.config) if args.config else None,
+        plugin=DevicePluginSettings(
+            directory=Path(args.device_plugin_dir),
+            device_list_strategy=DeviceListStrategy(args.device_list_strategy),
+            driver_root=Path(args.driver_root),
+            driver_root_in_agent=driver_in_agent,
+        ),
+        health=health,
+        simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir), cores=cores),
+        metrics=MetricsSettings(host=host, port=port, enabled=not args.no_metrics),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        config = load_config(settings.config_file) if settings.config_file else ClusterConfig()
+    except ConfigError as err:
+        for problem in err.problems:
+            log.error("invalid configuration: %s", problem)
+        return EXIT_CONFIG
+    if settings.use_kube:
+        log.error(
+            "the Kubernetes integration (pod cache, node publisher) is not part of this build yet; "
+            "run with --no-kube to serve the device plugin, metrics and health without it"
+        )
+        return EXIT_CONFIG
+    stop, reload = threading.Event(), threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda received, _frame: _request_stop(stop, received))
+    signal.signal(signal.SIGHUP, lambda _s, _f: reload.set())
+    try:
+        agent = NodeAgent(settings, config)
+    except VcudaError as err:
+        log.error("cannot start: %s", err)
+        return EXIT_FAILED
+    try:
+        agent.start()
+        log.info("running; send SIGTERM or SIGINT to stop, SIGHUP to re-read the config")
+        while not stop.wait(0.2):
+            if reload.is_set():
+                reload.clear()
+                agent.config.reload()
+    except (VcudaError, OSError) as err:
+        log.error("cannot start: %s", err)
+        return EXIT_FAILED
+    finally:
+        agent.stop()
+    return 0
+
+
+def _request_stop(stop: threading.Event, signum: int) -> None:
+    log.info("received %s", signal.Signals(signum).name)
+    stop.set()

@@ -1,0 +1,1 @@
+"""The kubelet device plugin for nvidia.com/vcuda-core."""

@@ -1,0 +1,172 @@
+"""The DevicePlugin gRPC service (kubelet API v1beta1) for nvidia.com/vcuda-core."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+
+from agent.domain.health import HealthBoard
+from agent.domain.placement import Placer
+from agent.domain.requests import ResolvedRequest, resolve_ids
+from agent.errors import AllocationError, GpuUnhealthyError, InsufficientCapacityError, VcudaError
+from agent.platform.gpu.inventory import GpuInfo, Topology
+from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
+from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from agent.surfaces.deviceplugin.responses import ResponseBuilder
+
+log = logging.getLogger(__name__)
+
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+_RECENT = 64
+
+
+@dataclass(frozen=True)
+class AllocationRecord:
+    """One container's Allocate, kept for status output."""
+
+    at: float
+    cores: int
+    gpu_indexes: tuple[int, ...]
+
+
+class DevicePluginService(pb_grpc.DevicePluginServicer):
+    def __init__(
+        self,
+        gpus: Sequence[GpuInfo],
+        topology: Topology,
+        board: HealthBoard,
+        responses: ResponseBuilder,
+    ) -> None:
+        self._gpus = tuple(gpus)
+        self._board = board
+        self._responses = responses
+        self._placer = Placer(self._gpus, topology)
+        self._table = self._placer.table
+        self._lock = threading.Lock()
+        self._streams = 0
+        self.recent: collections.deque[AllocationRecord] = collections.deque(maxlen=_RECENT)
+
+    @property
+    def active_streams(self) -> int:
+        with self._lock:
+            return self._streams
+
+    def options(self) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+
+    def device_list(self) -> tuple[int, pb.ListAndWatchResponse]:
+        version, health = self._board.snapshot()
+        devices: list[pb.Device] = []
+        for gpu in self._gpus:
+            state = HEALTHY if health[gpu.index].healthy else UNHEALTHY
+            topology = None
+            if gpu.numa_node is not None:
+                topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=gpu.numa_node)])
+            ids = self._table.ids_by_gpu[gpu.index]
+            devices.extend(pb.Device(ID=i, health=state, topology=topology) for i in ids)
+        return version, pb.ListAndWatchResponse(devices=devices)
+
+    # DevicePlugin RPCs -------------------------------------------------------
+    def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return self.options()
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        ended = threading.Event()
+
+        def on_end() -> None:
+            ended.set()
+            self._board.wake_all()
+
+        context.add_callback(on_end)
+        with self._lock:
+            self._streams += 1
+        try:
+            version, response = self.device_list()
+            yield response
+            while not ended.is_set() and context.is_active():
+                new_version = self._board.wait_for_change(version, 5.0, abort=ended)
+                if new_version != version and not ended.is_set():
+                    version, response = self.device_list()
+                    log.info(
+                        "ListAndWatch: sending %d devices after a health change",
+                        len(response.devices),
+                    )
+                    yield response
+        finally:
+            with self._lock:
+                self._streams -= 1
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        responses = []
+        for creq in request.container_requests:
+            try:
+                ids = self._placer.preferred(
+                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
+                )
+            except VcudaError as err:
+                _abort(context, err, "GetPreferredAllocation")
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        resolved: list[ResolvedRequest] = []
+        for creq in request.container_requests:
+            try:
+                item = resolve_ids(self._gpus, creq.devices_ids, self._table)
+                self._check_healthy(item)
+            except VcudaError as err:
+                _abort(context, err, "Allocate")
+            resolved.append(item)
+        response = pb.AllocateResponse(container_responses=[self._responses.build(r) for r in resolved])
+        for item in resolved:
+            indexes = tuple(g.index for g in item.gpus)
+            self.recent.append(AllocationRecord(time.time(), item.cores, indexes))
+            log.info("Allocate: %d vcuda-core on GPU %s", item.cores, ",".join(map(str, indexes)))
+        return response
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        try:
+            item = resolve_ids(self._gpus, request.devices_ids, self._table)
+            self._check_healthy(item)
+        except VcudaError as err:
+            _abort(context, err, "PreStartContainer")
+        return pb.PreStartContainerResponse()
+
+    def _check_healthy(self, item: ResolvedRequest) -> None:
+        _, health = self._board.snapshot()
+        for gpu in item.gpus:
+            state = health[gpu.index]
+            if not state.healthy:
+                raise GpuUnhealthyError(f"GPU {gpu.index} ({gpu.uuid}) is Unhealthy: {state.reason}")
+
+
+def _status_code(err: VcudaError) -> grpc.StatusCode:
+    if isinstance(err, GpuUnhealthyError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(err, InsufficientCapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, AllocationError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def _abort(context: grpc.ServicerContext, err: VcudaError, rpc: str) -> NoReturn:
+    code = _status_code(err)
+    log.warning("%s refused: %s", rpc, err)
+    context.abort(code, str(err))
+    raise AssertionError("unreachable: context.abort raises")

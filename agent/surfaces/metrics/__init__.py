@@ -1,0 +1,1 @@
+"""Prometheus metrics and the /healthz and /readyz probes."""

@@ -1,0 +1,105 @@
+"""The node agent: builds every component from the settings, starts and stops them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from agent.control.configwatch import ConfigWatch
+from agent.control.health import HealthMonitor
+from agent.control.supervisor import Supervisor
+from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
+from agent.domain.nodeconfig import ClusterConfig
+from agent.platform.driverfiles import discover_driver_files
+from agent.platform.gpu.factory import open_backend
+from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.settings import Settings
+from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
+from agent.surfaces.deviceplugin.responses import ResponseBuilder
+from agent.surfaces.deviceplugin.service import DevicePluginService
+from agent.surfaces.metrics.collector import AgentCollector
+from agent.surfaces.metrics.http import MetricsServer
+
+log = logging.getLogger(__name__)
+
+
+class NodeAgent:
+    def __init__(self, settings: Settings, config: ClusterConfig, backend: GpuBackend | None = None) -> None:
+        self.settings = settings
+        self.node_name = settings.node_name
+        sim = settings.simulation
+        self.backend = backend or open_backend(sim.spec, settings.node_name, sim.state_dir, sim.cores)
+        self.backend_name = self.backend.name
+        self.gpus = tuple(self.backend.gpus())
+        self.board = HealthBoard(g.index for g in self.gpus)
+        self.config = ConfigWatch(settings.config_file, settings.node_name, config, settings.config_reload_s)
+        plugin = settings.plugin
+        driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
+        responses = ResponseBuilder(plugin.device_list_strategy, driver, plugin.driver_root)
+        self.service = DevicePluginService(self.gpus, self.backend.topology(), self.board, responses)
+        self.endpoint = PluginEndpoint(plugin, self.service)
+        self.supervisor = Supervisor()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(AgentCollector(self))
+        self.metrics: MetricsServer | None = None
+
+    # AgentView ---------------------------------------------------------------
+    def gpu_list(self) -> Sequence[GpuInfo]:
+        return self.gpus
+
+    def gpu_health(self) -> dict[int, GpuHealth]:
+        return dict(self.board.snapshot()[1])
+
+    def endpoint_status(self) -> EndpointStatus:
+        return self.endpoint.status()
+
+    def readiness(self) -> tuple[bool, str]:
+        status = self.endpoint.status()
+        if not self.gpus:
+            return False, "no GPUs in the inventory"
+        if not status.registered:
+            return False, f"not registered with kubelet {status.last_error}".strip()
+        return True, f"ready: {len(self.gpus)} GPUs, registered with kubelet"
+
+    # Lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything; on failure the caller still calls ``stop()`` to undo what started."""
+        metrics = self.settings.metrics
+        if metrics.enabled:
+            self.metrics = MetricsServer(metrics.host, metrics.port, self.registry, self.readiness)
+        node = self.config.node
+        log.info(
+            "node %s: %d GPUs from %s backend; deviceMemoryScaling=%s",
+            self.node_name,
+            len(self.gpus),
+            self.backend_name,
+            node.device_memory_scaling,
+        )
+        for gpu in self.gpus:
+            log.info(
+                "GPU %d: %s %s, %d MiB, NUMA %s",
+                gpu.index,
+                gpu.uuid,
+                gpu.model,
+                gpu.memory_mib,
+                gpu.numa_node,
+            )
+        policy = HealthPolicy(self.settings.health.ignored_xids)
+        self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
+        if self.settings.config_file is not None:
+            self.supervisor.spawn("config-watch", self.config.run)
+        self.endpoint.start()
+        if self.metrics is not None:
+            self.metrics.start()
+
+    def stop(self) -> None:
+        log.info("stopping")
+        self.supervisor.stop_event.set()  # background loops wind down while the rest stops
+        self.endpoint.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.supervisor.stop()
+        self.backend.close()
+        log.info("stopped")

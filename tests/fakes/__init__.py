@@ -1,0 +1,1 @@
+"""Test doubles for platform facilities (NVML, ...) on machines that lack them."""

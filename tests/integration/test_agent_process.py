@@ -1,0 +1,143 @@
+"""`vcuda-agent run` as a process: signals, config errors, metrics and probes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agent.emulators.kubelet import KubeletEmulator
+from tests.conftest import AgentProcess
+
+Start = Callable[..., AgentProcess]
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly(start_agent: Start, kubelet: KubeletEmulator, signum: int) -> None:
+    agent = start_agent()
+    kubelet.wait_for_plugin()
+    assert (agent.sim_dir / "node.json").exists()
+    assert agent.stop(signum) == 0
+    assert not (agent.plugin_dir / "vcuda-core.sock").exists()
+    assert not (agent.sim_dir / "node.json").exists()
+    assert "stopped" in agent.log()
+
+
+def test_metrics_and_probes(start_agent: Start, short_dir: Path) -> None:
+    agent = start_agent()
+    port = agent.metrics_port()
+    assert http_get(port, "/healthz") == (200, "ok\n")
+    code, body = http_get(port, "/readyz")
+    assert code == 503 and "not registered" in body
+    emulator = KubeletEmulator(short_dir / "dp")
+    emulator.start()
+    try:
+        emulator.wait_for_plugin()
+        code, body = http_get(port, "/readyz")
+        assert code == 200 and "2 GPUs" in body
+        code, metrics = http_get(port, "/metrics")
+        assert code == 200
+        assert 'vcuda_gpu_healthy{gpu="0"' in metrics
+        assert 'vcuda_kubelet_registered{node="test-node"} 1.0' in metrics
+        assert "vcuda_build_info{" in metrics
+        assert http_get(port, "/nope")[0] == 404
+    finally:
+        emulator.stop()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_invalid_config_exits_non_zero_naming_each_field(short_dir: Path) -> None:
+    config = short_dir / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "nodeConfig": [
+                    {"name": "gpu-a", "deviceMemoryScaling": 2},
+                    {"name": "gpu-b", "cgroupDriver": "docker"},
+                ]
+            }
+        )
+    )
+    result = run_cli(
+        "run",
+        "--no-kube",
+        "--simulate",
+        "1xT4-16GB",
+        "--config",
+        str(config),
+        "--device-plugin-dir",
+        str(short_dir / "dp"),
+        "--sim-state-dir",
+        str(short_dir / "sim"),
+    )
+    assert result.returncode == 2
+    assert "node 'gpu-a'" in result.stderr and "deviceMemoryScaling" in result.stderr
+    assert "node 'gpu-b'" in result.stderr and "cgroupDriver" in result.stderr
+
+
+def test_bad_flags_are_reported_together(short_dir: Path) -> None:
+    result = run_cli(
+        "run",
+        "--no-kube",
+        "--simulate",
+        "1xT4-16GB",
+        "--metrics-address",
+        "nowhere",
+        "--ignored-xids",
+        "13,x",
+        "--device-plugin-dir",
+        str(short_dir / "dp"),
+    )
+    assert result.returncode == 2
+    assert "--metrics-address 'nowhere'" in result.stderr and "--ignored-xids" in result.stderr
+
+
+def test_bad_simulate_spec(short_dir: Path) -> None:
+    result = run_cli(
+        "run",
+        "--no-kube",
+        "--simulate",
+        "2xH100",
+        "--sim-state-dir",
+        str(short_dir / "sim"),
+        "--device-plugin-dir",
+        str(short_dir / "dp"),
+    )
+    assert result.returncode == 1
+    assert "expected COUNTxMODEL-MEMORYGB" in result.stderr
+
+
+def test_kubernetes_mode_is_not_silently_accepted(short_dir: Path) -> None:
+    result = run_cli("run", "--simulate", "1xT4-16GB", "--device-plugin-dir", str(short_dir / "dp"))
+    assert result.returncode == 2 and "--no-kube" in result.stderr
+
+
+def test_config_reload_keeps_old_config_on_error(start_agent: Start, short_dir: Path) -> None:
+    config = short_dir / "config.json"
+    config.write_text(json.dumps({"nodeConfig": [{"name": "test-node", "deviceMemoryScaling": 0.5}]}))
+    agent = start_agent("1xT4-16GB", "--config", str(config))
+    agent.wait_for_log(r"deviceMemoryScaling=0.5")
+    config.write_text(json.dumps({"nodeConfig": [{"name": "test-node", "deviceMemoryScaling": 7}]}))
+    agent.proc.send_signal(signal.SIGHUP)
+    agent.wait_for_log(
+        r"config reload rejected, keeping the current config: .*node 'test-node'.*deviceMemoryScaling"
+    )
+    assert agent.proc.poll() is None

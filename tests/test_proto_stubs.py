@@ -1,0 +1,65 @@
+"""The committed gRPC stubs are what `make proto` generates from the committed .proto files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+PB = ROOT / "agent" / "platform" / "kubelet" / "pb"
+PROTOS = sorted(PB.glob("*.proto"))
+
+
+@pytest.mark.parametrize("proto", PROTOS, ids=lambda p: p.name)
+def test_stubs_match_proto(proto: Path, tmp_path: Path) -> None:
+    rel = proto.relative_to(ROOT)
+    (tmp_path / rel.parent).mkdir(parents=True)
+    shutil.copy(proto, tmp_path / rel)
+    bindir = Path(sys.executable).parent
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+            f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
+            "--mypy_out=.",
+            "--mypy_grpc_out=.",
+            str(rel),
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+    )
+    generated = sorted((tmp_path / rel.parent).glob(f"{proto.stem}_pb2*"))
+    assert len(generated) == 4
+    for path in generated:
+        committed = PB / path.name
+        assert committed.read_text() == path.read_text(), f"{committed.name} is stale: run `make proto`"
+
+
+def test_wire_names_match_kubelet() -> None:
+    services = pb.DESCRIPTOR.services_by_name
+    assert pb.DESCRIPTOR.package == "v1beta1"
+    assert set(services) == {"Registration", "DevicePlugin"}
+    assert [m.name for m in services["DevicePlugin"].methods] == [
+        "GetDevicePluginOptions",
+        "ListAndWatch",
+        "GetPreferredAllocation",
+        "Allocate",
+        "PreStartContainer",
+    ]
+    fields = {f.name: f.number for f in pb.ContainerAllocateResponse.DESCRIPTOR.fields}
+    assert fields == {"envs": 1, "mounts": 2, "devices": 3, "annotations": 4, "cdi_devices": 5}
+    fields = {f.name: f.number for f in pb.ContainerPreferredAllocationRequest.DESCRIPTOR.fields}
+    assert fields == {"available_deviceIDs": 1, "must_include_deviceIDs": 2, "allocation_size": 3}
