@@ -37,17 +37,20 @@ def wait_registered(sim: SimulatedBackend, gpu: int, count: int = 1, timeout_s: 
     raise AssertionError(f"no workload registered on GPU {gpu}")
 
 
-def mean_utilization(sim: SimulatedBackend, gpu: int, pid: int, seconds: float) -> float:
-    """Mean of the per-process samples taken over ``seconds``, as an NVML consumer would read them."""
+def mean_utilization(sim: SimulatedBackend, gpu: int, pid: int, seconds: float) -> tuple[float, float]:
+    """Means of the process's samples and of the device utilization read every 0.2 s over
+    ``seconds``, as an NVML consumer would read them."""
     since = int(time.time() * 1_000_000)
     sim.process_samples(gpu, since)  # baseline reading
+    device: list[int] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(0.2)
         sim.process_samples(gpu, since)
+        device.append(sim.device_utilization(gpu))
     samples = [s.sm_util for s in sim.process_samples(gpu, since) if s.pid == pid]
     assert len(samples) >= int(seconds / 0.2) - 2, samples
-    return statistics.fmean(samples)
+    return statistics.fmean(samples), statistics.fmean(device)
 
 
 def test_inventory_of_the_spec(backend: SimulatedBackend) -> None:
@@ -66,11 +69,12 @@ def test_busy_workload_reads_full_and_idle_reads_zero(backend: SimulatedBackend)
     # The workload pins itself to its GPU's core.
     allowed = Path(f"/proc/{busy.pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
     assert allowed == str(backend.core_of(0))
-    busy_util = mean_utilization(backend, 0, busy.pid, 2.0)
-    idle_util = mean_utilization(backend, 1, idle.pid, 1.0)
+    busy_util, busy_device = mean_utilization(backend, 0, busy.pid, 2.0)
+    idle_util, idle_device = mean_utilization(backend, 1, idle.pid, 1.0)
     assert busy_util >= 90, busy_util
+    assert busy_device >= 85, busy_device
     assert idle_util <= 5, idle_util
-    assert backend.device_utilization(0) >= 80
+    assert idle_device <= 5, idle_device
     memory = {m.pid: m.used_bytes for m in backend.process_memory(0)}
     assert memory == {busy.pid: 2048 * 1024 * 1024}
 
@@ -79,8 +83,8 @@ def test_busy_workload_reads_full_and_idle_reads_zero(backend: SimulatedBackend)
 def test_half_busy_workload_reads_half(backend: SimulatedBackend) -> None:
     half = backend.launch_workload(1, memory_mib=0, busy=0.5)
     wait_registered(backend, 1)
-    util = mean_utilization(backend, 1, half.pid, 2.0)
-    assert 35 <= util <= 65, util
+    util, _ = mean_utilization(backend, 1, half.pid, 2.0)
+    assert 40 <= util <= 60, util
 
 
 def test_stopped_workload_reads_zero(backend: SimulatedBackend) -> None:
@@ -90,7 +94,7 @@ def test_stopped_workload_reads_zero(backend: SimulatedBackend) -> None:
     os.kill(busy.pid, signal.SIGSTOP)
     try:
         time.sleep(0.3)  # let the running sample window close
-        assert mean_utilization(backend, 0, busy.pid, 1.0) <= 5
+        assert mean_utilization(backend, 0, busy.pid, 1.0)[0] <= 5
     finally:
         os.kill(busy.pid, signal.SIGCONT)
 

@@ -52,12 +52,23 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
 
 
 def _burn(spec: WorkloadSpec, stop: threading.Event) -> None:
+    """Each period, use ``busy x period`` of CPU time, then sleep to the period's end.
+
+    Pacing by CPU time, not wall time, keeps the share right when the process is
+    preempted mid-spin (other processes, VM steal): the spin just takes longer.
+    """
     end = None if spec.duration_s is None else time.monotonic() + spec.duration_s
-    busy_s = spec.period_s * spec.busy
+    busy_cpu_s = spec.period_s * spec.busy
+    cycle_end = time.monotonic()
     while not stop.is_set() and (end is None or time.monotonic() < end):
-        cycle_start = time.perf_counter()
-        while time.perf_counter() - cycle_start < busy_s:
+        cycle_end += spec.period_s
+        cpu_start = time.process_time()
+        give_up = cycle_end + spec.period_s  # a starved process must still notice stop
+        while time.process_time() - cpu_start < busy_cpu_s and time.monotonic() < give_up:
             pass  # burning CPU is the workload
-        idle_s = spec.period_s - (time.perf_counter() - cycle_start)
-        if idle_s > 0 and stop.wait(idle_s):
-            break
+        idle_s = cycle_end - time.monotonic()
+        if idle_s > 0:
+            if stop.wait(idle_s):
+                break
+        else:
+            cycle_end = time.monotonic()  # overran: start afresh rather than owe time
