@@ -19,12 +19,10 @@ class HealthMonitor:
         self._policy = policy
         self._board = board
         self._wait_s = wait_s
-        self.events_seen = 0
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             for event in self._backend.wait_events(self._wait_s):
-                self.events_seen += 1
                 verdict = self._policy.verdict(event)
                 if verdict is None:
                     log.info(

@@ -31,6 +31,13 @@ class NodeAgent:
         self.node_name = settings.node_name
         sim = settings.simulation
         self.backend = backend or open_backend(sim.spec, settings.node_name, sim.state_dir, sim.cores)
+        try:
+            self._build(settings, config)
+        except BaseException:
+            self.backend.close()  # NVML shut down, simulator state released
+            raise
+
+    def _build(self, settings: Settings, config: ClusterConfig) -> None:
         self.backend_name = self.backend.name
         self.gpus = tuple(self.backend.gpus())
         self.board = HealthBoard(g.index for g in self.gpus)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -123,6 +124,29 @@ def test_bad_simulate_spec(short_dir: Path) -> None:
     )
     assert result.returncode == 1
     assert "expected COUNTxMODEL-MEMORYGB" in result.stderr
+
+
+def test_metrics_port_in_use(short_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(
+            "run",
+            "--no-kube",
+            "--simulate",
+            "1xT4-16GB",
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+            "--sim-state-dir",
+            str(short_dir / "sim"),
+            "--device-plugin-dir",
+            str(short_dir / "dp"),
+        )
+    assert result.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+    assert not (short_dir / "dp" / "vcuda-core.sock").exists()
+    assert not (short_dir / "sim" / "node.json").exists()
 
 
 def test_kubernetes_mode_is_not_silently_accepted(short_dir: Path) -> None:

@@ -142,7 +142,3 @@ class GpuBackend(Protocol):
     def close(self) -> None:
         """Release the backend (NVML shutdown, watchers stopped)."""
         ...
-
-
-def by_uuid(gpus: Sequence[GpuInfo]) -> dict[str, GpuInfo]:
-    return {g.uuid: g for g in gpus}

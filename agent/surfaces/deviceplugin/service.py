@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import NoReturn
 
 import grpc
@@ -24,16 +21,6 @@ from agent.surfaces.deviceplugin.responses import ResponseBuilder
 log = logging.getLogger(__name__)
 
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
-_RECENT = 64
-
-
-@dataclass(frozen=True)
-class AllocationRecord:
-    """One container's Allocate, kept for status output."""
-
-    at: float
-    cores: int
-    gpu_indexes: tuple[int, ...]
 
 
 class DevicePluginService(pb_grpc.DevicePluginServicer):
@@ -49,14 +36,6 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._responses = responses
         self._placer = Placer(self._gpus, topology)
         self._table = self._placer.table
-        self._lock = threading.Lock()
-        self._streams = 0
-        self.recent: collections.deque[AllocationRecord] = collections.deque(maxlen=_RECENT)
-
-    @property
-    def active_streams(self) -> int:
-        with self._lock:
-            return self._streams
 
     def options(self) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
@@ -89,23 +68,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             self._board.wake_all()
 
         context.add_callback(on_end)
-        with self._lock:
-            self._streams += 1
-        try:
-            version, response = self.device_list()
-            yield response
-            while not ended.is_set() and context.is_active():
-                new_version = self._board.wait_for_change(version, 5.0, abort=ended)
-                if new_version != version and not ended.is_set():
-                    version, response = self.device_list()
-                    log.info(
-                        "ListAndWatch: sending %d devices after a health change",
-                        len(response.devices),
-                    )
-                    yield response
-        finally:
-            with self._lock:
-                self._streams -= 1
+        version, response = self.device_list()
+        yield response
+        while not ended.is_set() and context.is_active():
+            new_version = self._board.wait_for_change(version, 5.0, abort=ended)
+            if new_version != version and not ended.is_set():
+                version, response = self.device_list()
+                log.info("ListAndWatch: sending %d devices after a health change", len(response.devices))
+                yield response
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -132,9 +102,9 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             resolved.append(item)
         response = pb.AllocateResponse(container_responses=[self._responses.build(r) for r in resolved])
         for item in resolved:
-            indexes = tuple(g.index for g in item.gpus)
-            self.recent.append(AllocationRecord(time.time(), item.cores, indexes))
-            log.info("Allocate: %d vcuda-core on GPU %s", item.cores, ",".join(map(str, indexes)))
+            log.info(
+                "Allocate: %d vcuda-core on GPU %s", item.cores, ",".join(str(g.index) for g in item.gpus)
+            )
         return response
 
     def PreStartContainer(

@@ -10,6 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from agent.errors import PlatformError
+
 log = logging.getLogger(__name__)
 
 Readiness = Callable[[], tuple[bool, str]]
@@ -20,7 +22,12 @@ class MetricsServer:
         self._registry = registry
         self._readiness = readiness
         handler = self._handler_class()
-        self._httpd = ThreadingHTTPServer((host, port), handler)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as err:
+            raise PlatformError(
+                f"cannot serve metrics on {host}:{port}: {err.strerror or err} (see --metrics-address)"
+            ) from err
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
