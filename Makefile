@@ -43,6 +43,7 @@ format: setup
 
 bench: setup
 	$(VPY) bench/allocate.py
+	$(VPY) bench/restarts.py
 
 # Regenerate the gRPC stubs (committed) from the .proto files.
 proto: setup
