@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import grpc
 from agent.domain.health import HealthBoard
 from agent.domain.ids import ids_for_gpu
 from agent.emulators.kubelet import KubeletEmulator
-from agent.emulators.simnode import sim_agent_command
+from agent.emulators.simnode import running_sim_node
 from agent.platform.driverfiles import DriverFiles
 from agent.platform.gpu.simulated import SimulatedBackend
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
@@ -96,65 +94,59 @@ def main() -> int:
     parser.add_argument("--spec", default="8xH100-80GB")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vc-bench-", dir="/tmp"))
-    kubelet = KubeletEmulator(workdir / "dp")
-    kubelet.start()
-    cmd = sim_agent_command(
-        args.spec, workdir / "dp", workdir / "sim", metrics_address=None, extra=("--log-level", "WARNING")
-    )
-    agent = subprocess.Popen(cmd)
     try:
-        plugin = kubelet.wait_for_plugin(timeout_s=30)
-        available = sorted(plugin.devices)
-        # Requests are built once: kubelet builds its own in Go; only the plugin's round trip is timed.
-        requests = [
-            pb.PreferredAllocationRequest(
-                container_requests=[
-                    pb.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=available, allocation_size=size
-                    )
-                ]
-            )
-            for size in SIZES
-        ]
-        latencies: list[float] = []
-        floor: list[float] = []
-        for i in range(args.rounds + 200):
-            request = requests[i % len(requests)]
-            started = time.perf_counter()
-            preferred = plugin.stub.GetPreferredAllocation(request, timeout=10)
-            ids = preferred.container_responses[0].deviceIDs
-            plugin.stub.Allocate(
-                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
-                timeout=10,
-            )
-            middle = time.perf_counter()
-            plugin.stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
-            plugin.stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
-            if i >= 200:  # the first rounds warm up connections and caches
-                latencies.append((middle - started) * 1000)
-                floor.append((time.perf_counter() - middle) * 1000)
-        handler = handler_latencies(requests, args.rounds, args.spec)
-        p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-        print(
-            f"{len(latencies)} round trips on {args.spec} ({len(available)} device IDs offered each time), "
-            f"sizes {SIZES}: mean {statistics.fmean(latencies):.2f} ms, max {max(latencies):.2f} ms"
-        )
-        for name, values in (
-            ("gRPC floor (two empty calls)", floor),
-            ("servicer alone (no socket)", handler),
-        ):
-            print(f"{name}: p50 {percentile(values, 50):.2f} ms, p99 {percentile(values, 99):.2f} ms")
-        print(
-            f"RESULT allocate_p50_ms={p50:.2f} allocate_p99_ms={p99:.2f} "
-            f"grpc_floor_p50_ms={percentile(floor, 50):.2f} grpc_floor_p99_ms={percentile(floor, 99):.2f} "
-            f"handler_p50_ms={percentile(handler, 50):.2f} handler_p99_ms={percentile(handler, 99):.2f}"
-        )
+        with running_sim_node(args.spec, workdir) as (_agent, kubelet):
+            run_rounds(kubelet, args.rounds, args.spec)
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=15)
-        kubelet.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def run_rounds(kubelet: KubeletEmulator, rounds: int, spec: str) -> None:
+    plugin = kubelet.wait_for_plugin(timeout_s=30)
+    available = sorted(plugin.devices)
+    # Requests are built once: kubelet builds its own in Go; only the plugin's round trip is timed.
+    requests = [
+        pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size)
+            ]
+        )
+        for size in SIZES
+    ]
+    latencies: list[float] = []
+    floor: list[float] = []
+    for i in range(rounds + 200):
+        request = requests[i % len(requests)]
+        started = time.perf_counter()
+        preferred = plugin.stub.GetPreferredAllocation(request, timeout=10)
+        ids = preferred.container_responses[0].deviceIDs
+        plugin.stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+            timeout=10,
+        )
+        middle = time.perf_counter()
+        plugin.stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
+        plugin.stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
+        if i >= 200:  # the first rounds warm up connections and caches
+            latencies.append((middle - started) * 1000)
+            floor.append((time.perf_counter() - middle) * 1000)
+    handler = handler_latencies(requests, rounds, spec)
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    print(
+        f"{len(latencies)} round trips on {spec} ({len(available)} device IDs offered each time), "
+        f"sizes {SIZES}: mean {statistics.fmean(latencies):.2f} ms, max {max(latencies):.2f} ms"
+    )
+    for name, values in (
+        ("gRPC floor (two empty calls)", floor),
+        ("servicer alone (no socket)", handler),
+    ):
+        print(f"{name}: p50 {percentile(values, 50):.2f} ms, p99 {percentile(values, 99):.2f} ms")
+    print(
+        f"RESULT allocate_p50_ms={p50:.2f} allocate_p99_ms={p99:.2f} "
+        f"grpc_floor_p50_ms={percentile(floor, 50):.2f} grpc_floor_p99_ms={percentile(floor, 99):.2f} "
+        f"handler_p50_ms={percentile(handler, 50):.2f} handler_p99_ms={percentile(handler, 99):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,14 @@ as a real process, for the demo, tests and benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+from agent.emulators.kubelet import KubeletEmulator
 
 
 def sim_agent_command(
@@ -20,3 +26,24 @@ def sim_agent_command(
     cmd += ["--device-plugin-dir", str(plugin_dir), "--sim-state-dir", str(sim_dir)]
     cmd += ["--metrics-address", metrics_address] if metrics_address else ["--no-metrics"]
     return [*cmd, *extra]
+
+
+@contextlib.contextmanager
+def running_sim_node(
+    spec: str, workdir: Path, *, extra: tuple[str, ...] = ("--log-level", "WARNING")
+) -> Iterator[tuple[subprocess.Popen[bytes], KubeletEmulator]]:
+    """A kubelet emulator and a simulated agent (no metrics) in ``workdir``; the agent is
+    stopped with SIGTERM and the emulator stopped on exit."""
+    kubelet = KubeletEmulator(workdir / "dp")
+    kubelet.start()
+    try:
+        agent = subprocess.Popen(
+            sim_agent_command(spec, workdir / "dp", workdir / "sim", metrics_address=None, extra=extra)
+        )
+        try:
+            yield agent, kubelet
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=15)
+    finally:
+        kubelet.stop()

@@ -61,6 +61,12 @@ def test_metrics_and_probes(start_agent: Start, short_dir: Path) -> None:
         emulator.stop()
 
 
+def run_agent(short_dir: Path, *args: str, spec: str = "1xT4-16GB") -> subprocess.CompletedProcess[str]:
+    """`vcuda-agent run --no-kube --simulate SPEC` with its dirs under ``short_dir``, plus ``args``."""
+    dirs = ("--sim-state-dir", str(short_dir / "sim"), "--device-plugin-dir", str(short_dir / "dp"))
+    return run_cli("run", "--no-kube", "--simulate", spec, *dirs, *args)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60)
 
@@ -77,51 +83,20 @@ def test_invalid_config_exits_non_zero_naming_each_field(short_dir: Path) -> Non
             }
         )
     )
-    result = run_cli(
-        "run",
-        "--no-kube",
-        "--simulate",
-        "1xT4-16GB",
-        "--config",
-        str(config),
-        "--device-plugin-dir",
-        str(short_dir / "dp"),
-        "--sim-state-dir",
-        str(short_dir / "sim"),
-    )
+    result = run_agent(short_dir, "--config", str(config))
     assert result.returncode == 2
     assert "node 'gpu-a'" in result.stderr and "deviceMemoryScaling" in result.stderr
     assert "node 'gpu-b'" in result.stderr and "cgroupDriver" in result.stderr
 
 
 def test_bad_flags_are_reported_together(short_dir: Path) -> None:
-    result = run_cli(
-        "run",
-        "--no-kube",
-        "--simulate",
-        "1xT4-16GB",
-        "--metrics-address",
-        "nowhere",
-        "--ignored-xids",
-        "13,x",
-        "--device-plugin-dir",
-        str(short_dir / "dp"),
-    )
+    result = run_agent(short_dir, "--metrics-address", "nowhere", "--ignored-xids", "13,x")
     assert result.returncode == 2
     assert "--metrics-address 'nowhere'" in result.stderr and "--ignored-xids" in result.stderr
 
 
 def test_bad_simulate_spec(short_dir: Path) -> None:
-    result = run_cli(
-        "run",
-        "--no-kube",
-        "--simulate",
-        "2xH100",
-        "--sim-state-dir",
-        str(short_dir / "sim"),
-        "--device-plugin-dir",
-        str(short_dir / "dp"),
-    )
+    result = run_agent(short_dir, spec="2xH100")
     assert result.returncode == 1
     assert "expected COUNTxMODEL-MEMORYGB" in result.stderr
 
@@ -131,18 +106,7 @@ def test_metrics_port_in_use(short_dir: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli(
-            "run",
-            "--no-kube",
-            "--simulate",
-            "1xT4-16GB",
-            "--metrics-address",
-            f"127.0.0.1:{port}",
-            "--sim-state-dir",
-            str(short_dir / "sim"),
-            "--device-plugin-dir",
-            str(short_dir / "dp"),
-        )
+        result = run_agent(short_dir, "--metrics-address", f"127.0.0.1:{port}")
     assert result.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
     assert not (short_dir / "dp" / "vcuda-core.sock").exists()
