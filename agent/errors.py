@@ -79,3 +79,19 @@ class ProcessGoneError(VcudaError):
 
 class PlatformError(VcudaError):
     """An OS facility (inotify, procfs, cgroupfs) failed."""
+
+
+class KubeError(VcudaError):
+    """The Kubernetes API refused or could not answer a request."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        self.status = status  # HTTP status, None when the server was unreachable
+        super().__init__(message)
+
+
+class ConflictError(KubeError):
+    """An optimistic-concurrency write lost (HTTP 409): re-read and try again."""
+
+
+class PodFormatError(VcudaError):
+    """A pod object from the API that lacks the fields the agent needs."""

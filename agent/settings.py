@@ -15,6 +15,8 @@ from agent.errors import ConfigError
 
 DEFAULT_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_SIM_STATE_DIR = Path("/run/vcuda-agent/sim")
+DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+DEFAULT_BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # the C sources (repo or image path)
 DEFAULT_METRICS_PORT = 5678  # gpu-manager's port; 9400 stays free for dcgm-exporter
 
 
@@ -72,6 +74,50 @@ class MetricsSettings:
     enabled: bool = True
 
 
+class GuardMode(enum.StrEnum):
+    """What the device guard does about NVIDIA device access (issue C)."""
+
+    ENFORCE = "enforce"  # containers reach only their own GPUs; pods without a GPU reach none
+    AUDIT = "audit"  # change nothing; log (and on cgroup v2 count) what would be denied
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class CgroupSettings:
+    """Where cgroups, kubelet's config and the container runtime are found; the device guard."""
+
+    root: Path = Path("/sys/fs/cgroup")
+    mountinfo: Path = Path("/proc/self/mountinfo")
+    kubelet_config: Path = Path("/var/lib/kubelet/config.yaml")  # its cgroupDriver, runtime endpoint
+    host_root: Path = Path("/")  # where runtime sockets are looked for
+    proc_root: Path = Path("/proc")
+    device_guard: GuardMode = GuardMode.ENFORCE
+    guard_interval_s: float = 2.0  # re-check (and re-attach) device rules this often
+    own_pod_uid: str = ""  # the agent's own pod: never guarded (it needs /dev/nvidia* for NVML)
+
+
+@dataclass(frozen=True)
+class BpfSettings:
+    """eBPF attribution of NVIDIA ioctls and cn_proc process events (issue C)."""
+
+    ioctl_tracing: bool = True  # False: NVML alone
+    bpf_dir: Path = DEFAULT_BPF_DIR  # ioctl_tracer.c and device_guard.c
+    procevents_rescan_s: float = 30.0  # full /proc rescan that repairs events cn_proc dropped
+    procevents_fallback_s: float = 1.0  # /proc scan period when cn_proc is unavailable
+
+
+@dataclass(frozen=True)
+class KubeSettings:
+    """The Kubernetes API (pods, node, events) and kubelet's pod-resources API."""
+
+    kubeconfig: Path | None = None  # None: the in-cluster service account (the DaemonSet)
+    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # which pod holds which device IDs
+    sync_timeout_s: float = 30.0  # start-up waits this long for the first pod list
+    wait_for_pod_s: float = 3.0  # an Allocate waits this long for the watch to deliver its pod
+    capacity_check_s: float = 10.0  # vcuda-memory capacity re-checked at least this often
+    heartbeat_s: float = 30.0  # the inventory annotation's heartbeat period
+
+
 @dataclass(frozen=True)
 class Settings:
     node_name: str
@@ -82,6 +128,9 @@ class Settings:
     health: HealthSettings = field(default_factory=HealthSettings)
     simulation: SimulationSettings = field(default_factory=SimulationSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    kube: KubeSettings = field(default_factory=KubeSettings)
+    cgroups: CgroupSettings = field(default_factory=CgroupSettings)
+    bpf: BpfSettings = field(default_factory=BpfSettings)
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -47,7 +47,7 @@ def short_dir() -> Iterator[Path]:
 
 @dataclass
 class AgentProcess:
-    """``vcuda-agent run --no-kube --simulate ...`` as a real child process."""
+    """``vcuda-agent run --simulate ...`` as a real child process."""
 
     proc: subprocess.Popen[bytes]
     plugin_dir: Path
@@ -90,10 +90,11 @@ class AgentProcess:
 def start_agent(short_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def start(spec: str = "2xH100-80GB", *extra: str) -> AgentProcess:
+    def start(spec: str = "2xH100-80GB", *extra: str, kube: tuple[Path, Path] | None = None) -> AgentProcess:
+        """``kube``: (kubeconfig, pod-resources socket) for Kubernetes mode."""
         plugin_dir, sim_dir = short_dir / "dp", short_dir / "sim"
         log_path = short_dir / f"agent{len(started)}.log"
-        cmd = sim_agent_command(spec, plugin_dir, sim_dir, node_name="test-node", extra=extra)
+        cmd = sim_agent_command(spec, plugin_dir, sim_dir, node_name="test-node", kube=kube, extra=extra)
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         agent = AgentProcess(proc, plugin_dir, sim_dir, log_path)

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import Message
 
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
+from agent.platform.kubelet.pb import podresources_v1_pb2 as podres
 
 ROOT = Path(__file__).resolve().parents[1]
 PB = ROOT / "agent" / "platform" / "kubelet" / "pb"
@@ -63,3 +65,30 @@ def test_wire_names_match_kubelet() -> None:
     assert fields == {"envs": 1, "mounts": 2, "devices": 3, "annotations": 4, "cdi_devices": 5}
     fields = {f.name: f.number for f in pb.ContainerPreferredAllocationRequest.DESCRIPTOR.fields}
     assert fields == {"available_deviceIDs": 1, "must_include_deviceIDs": 2, "allocation_size": 3}
+
+
+def _fields(message: type[Message]) -> dict[str, int]:
+    return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+
+def test_pod_resources_wire_names_match_kubelet() -> None:
+    services = podres.DESCRIPTOR.services_by_name
+    assert podres.DESCRIPTOR.package == "v1"
+    assert set(services) == {"PodResourcesLister"}
+    lister = services["PodResourcesLister"]
+    assert lister.full_name == "v1.PodResourcesLister"
+    assert [m.name for m in lister.methods] == ["List", "GetAllocatableResources", "Get"]
+    assert _fields(podres.ListPodResourcesResponse) == {"pod_resources": 1}
+    assert _fields(podres.PodResources) == {"name": 1, "namespace": 2, "containers": 3}
+    assert _fields(podres.ContainerResources) == {
+        "name": 1,
+        "devices": 2,
+        "cpu_ids": 3,
+        "memory": 4,
+        "dynamic_resources": 5,
+    }
+    assert _fields(podres.ContainerDevices) == {"resource_name": 1, "device_ids": 2, "topology": 3}
+    assert _fields(podres.GetPodResourcesRequest) == {"pod_name": 1, "pod_namespace": 2}
+    assert _fields(podres.GetPodResourcesResponse) == {"pod_resources": 1}
+    assert _fields(podres.AllocatableResourcesResponse) == {"devices": 1, "cpu_ids": 2, "memory": 3}
+    assert _fields(podres.DynamicResource) == {"claim_name": 2, "claim_namespace": 3, "claim_resources": 4}

@@ -9,11 +9,15 @@ preference of the wrong size falls back to the first available IDs),
 ``Allocate`` per container, then ``PreStartContainer`` when required.
 ``restart()`` does what a kubelet restart does to the directory: delete every
 socket in it except the checkpoint, then create kubelet.sock again; allocations
-survive, as they do in kubelet's checkpoint.
+survive, as they do in kubelet's checkpoint. Given ``pod_resources_socket``, it
+also serves kubelet's pod-resources API v1 there (``emulators/podresources.py``),
+re-created on restart as kubelet does.
 
-Not emulated: NUMA topology hints and the Topology Manager, device reuse between
-init and app containers (init containers release their devices when admission
-ends), pod-resources (a later issue), and the checkpoint's checksum.
+Not emulated: NUMA topology hints and the Topology Manager (the NUMA node of each
+device is only reported back by pod-resources), device reuse between init and app
+containers (init containers release their devices when admission ends), pod
+phases (a pod counts as active from admission until ``release``), and the
+checkpoint's checksum.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TypeVar
 
 import grpc
 
+from agent.emulators.podresources import NO_NUMA, DeviceState, PodResourcesServer
 from agent.emulators.pods import CORE_RESOURCE, PodSpec
 from agent.errors import VcudaError
 from agent.platform.kubelet.channel import API_VERSION, rpc_error_parts, unix_target
@@ -104,15 +109,26 @@ class PluginConnection:
 
 
 class KubeletEmulator(pb_grpc.RegistrationServicer):
-    def __init__(self, directory: Path) -> None:
+    """kubelet's device manager (and, optionally, its pod-resources API) on real unix sockets."""
+
+    def __init__(
+        self, directory: Path, pod_resources_socket: Path | None = None, serve_get: bool = True
+    ) -> None:
         self.directory = directory
         self.socket = directory / "kubelet.sock"
         self.registrations: list[pb.RegisterRequest] = []
         self.plugins: dict[str, PluginConnection] = {}
         self.allocated: dict[tuple[str, str, str], list[str]] = {}  # (pod uid, container, resource) -> IDs
+        self.pods: dict[str, PodSpec] = {}  # admitted pods by uid, in admission order
+        self._numa: dict[str, int] = {}  # device ID -> NUMA node, as the plugin listed it
         self._server: grpc.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._changed = threading.Condition()
+        self.pod_resources = (
+            PodResourcesServer(pod_resources_socket, self._device_state, serve_get)
+            if pod_resources_socket is not None
+            else None
+        )
 
     # Lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -123,8 +139,12 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         pb_grpc.add_RegistrationServicer_to_server(self, self._server)
         self._server.add_insecure_port(unix_target(self.socket))
         self._server.start()
+        if self.pod_resources is not None:
+            self.pod_resources.start()
 
     def stop(self) -> None:
+        if self.pod_resources is not None:
+            self.pod_resources.stop()
         if self._server is not None:
             self._server.stop(grace=None).wait(5)
             self._server = None
@@ -196,13 +216,17 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
 
     # Admission -------------------------------------------------------------
     def in_use(self, resource: str) -> set[str]:
-        return {i for (_, _, r), ids in self.allocated.items() if r == resource for i in ids}
+        with self._changed:
+            return {i for (_, _, r), ids in self.allocated.items() if r == resource for i in ids}
 
     def admit(self, pod: PodSpec, resource: str = CORE_RESOURCE) -> PodAdmission:
         plugin = self.plugins.get(resource)
         if plugin is None:
             raise AdmissionError(f"no device plugin registered for {resource}")
         admission = PodAdmission(pod)
+        with self._changed:  # kubelet's pod manager knows the pod before admission starts
+            self.pods.pop(pod.uid, None)
+            self.pods[pod.uid] = pod
         try:
             for container in pod.containers:
                 if container.cores <= 0:
@@ -211,7 +235,8 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
                     self._admit_container(plugin, pod, container.name, container.cores)
                 )
                 if container.init:
-                    self.allocated.pop((pod.uid, container.name, resource), None)
+                    with self._changed:
+                        self.allocated.pop((pod.uid, container.name, resource), None)
         except (AdmissionError, grpc.RpcError):
             self.release(pod)
             raise
@@ -242,7 +267,10 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             )
             if len(preferred) == needed and set(preferred) <= set(available):
                 chosen = preferred
-        self.allocated[(pod.uid, name, plugin.resource)] = chosen
+        with self._changed:
+            self.allocated[(pod.uid, name, plugin.resource)] = chosen
+            for device_id in chosen:
+                self._numa[device_id] = _numa_node(plugin.devices.get(device_id))
         allocate = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
         response = _call(plugin.stub.Allocate, allocate).container_responses[0]
         if plugin.options.pre_start_required:
@@ -250,18 +278,41 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
         return ContainerAdmission(name, chosen, preferred, response)
 
     def release(self, pod: PodSpec) -> None:
-        for key in [k for k in self.allocated if k[0] == pod.uid]:
-            del self.allocated[key]
+        """The pod ended or was deleted: its devices are free and pod-resources forgets it."""
+        with self._changed:
+            for key in [k for k in self.allocated if k[0] == pod.uid]:
+                del self.allocated[key]
+            self.pods.pop(pod.uid, None)
         self._write_checkpoint()
 
+    def _device_state(self) -> DeviceState:
+        with self._changed:
+            allocatable = {r: p.healthy_ids() for r, p in self.plugins.items()}
+            numa = dict(self._numa)
+            for plugin in self.plugins.values():
+                numa.update({i: _numa_node(d) for i, d in plugin.devices.items()})
+            return DeviceState(
+                pods=list(self.pods.values()),
+                allocated={k: list(v) for k, v in self.allocated.items()},
+                numa=numa,
+                allocatable=allocatable,
+            )
+
     def _write_checkpoint(self) -> None:
+        with self._changed:
+            allocated = sorted(self.allocated.items())
         entries = [
             {"PodUID": uid, "ContainerName": c, "ResourceName": r, "DeviceIDs": {"-1": ids}}
-            for (uid, c, r), ids in sorted(self.allocated.items())
+            for (uid, c, r), ids in allocated
         ]
         (self.directory / CHECKPOINT).write_text(
             json.dumps({"Data": {"PodDeviceEntries": entries}, "Checksum": 0})
         )
+
+
+def _numa_node(device: pb.Device | None) -> int:
+    nodes = device.topology.nodes if device is not None else []
+    return nodes[0].ID if nodes else NO_NUMA
 
 
 def _call(method: Callable[..., _Response], request: object) -> _Response:

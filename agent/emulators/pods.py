@@ -60,13 +60,17 @@ def pod_from_manifest(manifest: Mapping[str, Any]) -> PodSpec:
     )
 
 
-def load_pods(path: Path) -> list[PodSpec]:
-    """Every Pod in a YAML file (multi-document files too)."""
+def load_manifests(path: Path) -> list[dict[str, Any]]:
+    """Every document of a YAML file (multi-document files too)."""
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        return [d for d in yaml.safe_load_all(path.read_text()) if d]
     except (OSError, yaml.YAMLError) as err:
         raise ManifestError(f"cannot read pods from {path}: {err}") from err
-    return [pod_from_manifest(d) for d in docs]
+
+
+def load_pods(path: Path) -> list[PodSpec]:
+    """Every Pod in a YAML file (multi-document files too)."""
+    return [pod_from_manifest(d) for d in load_manifests(path)]
 
 
 def _container(raw: Mapping[str, Any], init: bool) -> ContainerRequest:

@@ -1,5 +1,6 @@
-"""The command line of a simulated GPU node: `vcuda-agent run --no-kube --simulate ...`
-as a real process, for the demo, tests and benchmarks."""
+"""The command line of a simulated GPU node: `vcuda-agent run --simulate ...` as a real
+process (with `--no-kube`, or pointed at an API server by a kubeconfig), for the demo,
+tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -20,9 +21,15 @@ def sim_agent_command(
     *,
     node_name: str = "sim-node",
     metrics_address: str | None = "127.0.0.1:0",
+    kube: tuple[Path, Path] | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "agent", "run", "--no-kube", "--simulate", spec, "--node-name", node_name]
+    """``kube``: (kubeconfig, pod-resources socket) for Kubernetes mode; None: ``--no-kube``."""
+    cmd = [sys.executable, "-m", "agent", "run", "--simulate", spec, "--node-name", node_name]
+    if kube is None:
+        cmd.append("--no-kube")
+    else:
+        cmd += ["--kubeconfig", str(kube[0]), "--pod-resources-socket", str(kube[1])]
     cmd += ["--device-plugin-dir", str(plugin_dir), "--sim-state-dir", str(sim_dir)]
     cmd += ["--metrics-address", metrics_address] if metrics_address else ["--no-metrics"]
     return [*cmd, *extra]
@@ -30,9 +37,10 @@ def sim_agent_command(
 
 @contextlib.contextmanager
 def running_sim_node(
-    spec: str, workdir: Path, *, extra: tuple[str, ...] = ("--log-level", "WARNING")
+    spec: str, workdir: Path, *, extra: tuple[str, ...] = ("--log-level", "WARNING", "--no-ioctl-tracing")
 ) -> Iterator[tuple[subprocess.Popen[bytes], KubeletEmulator]]:
-    """A kubelet emulator and a simulated agent (no metrics) in ``workdir``; the agent is
+    """A kubelet emulator and a simulated agent (no metrics, no ioctl tracer: the benches
+    measure the device plugin) in ``workdir``; the agent is
     stopped with SIGTERM and the emulator stopped on exit."""
     kubelet = KubeletEmulator(workdir / "dp")
     kubelet.start()

@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from agent.control.configwatch import ConfigWatch
+from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
 from agent.control.supervisor import Supervisor
 from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
 from agent.domain.nodeconfig import ClusterConfig
+from agent.domain.placement import Placer
+from agent.errors import VcudaError
 from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.factory import open_backend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
@@ -19,8 +22,12 @@ from agent.settings import Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
+from agent.surfaces.hostnode import HostIntegration
+from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.metrics.collector import AgentCollector
+from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer
+from agent.surfaces.metrics.kube_collector import AllocationCollector
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +52,38 @@ class NodeAgent:
         plugin = settings.plugin
         driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
         responses = ResponseBuilder(plugin.device_list_strategy, driver, plugin.driver_root)
-        self.service = DevicePluginService(self.gpus, self.backend.topology(), self.board, responses)
+        topology = self.backend.topology()
+        placer = Placer(self.gpus, topology)
+        self.service = DevicePluginService(self.gpus, topology, self.board, responses, placer)
         self.endpoint = PluginEndpoint(plugin, self.service)
         self.supervisor = Supervisor()
+        self.kube: KubeIntegration | None = None
+        if settings.use_kube:
+            self.kube = KubeIntegration(
+                settings=settings.kube,
+                node_name=settings.node_name,
+                gpus=self.gpus,
+                topology=topology,
+                board=self.board,
+                placer=placer,
+                scaling=lambda: self.config.node.device_memory_scaling,
+            )
+            self.service.allocations = self.kube.allocations
+            self.service.recovery = self.kube.recovery
+        self.host: HostIntegration | None = None
+        try:
+            self.host = HostIntegration(settings.cgroups, settings.bpf, self.config.node)
+        except VcudaError as err:  # the device plugin still serves; attribution and guard do not
+            log.error("host integration unavailable (cgroups, eBPF, device guard): %s", err)
+        if self.host is not None and self.kube is not None:
+            own = settings.cgroups.own_pod_uid
+            self.host.enable_guard(GuardTargets(self.kube.pods, self.kube.ledger, self.gpus, own))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(AgentCollector(self))
+        if self.kube is not None:
+            self.registry.register(AllocationCollector(self.kube, self.gpus))
+        if self.host is not None:
+            self.registry.register(HostCollector(self.host, settings.node_name))
         self.metrics: MetricsServer | None = None
 
     # AgentView ---------------------------------------------------------------
@@ -97,16 +131,24 @@ class NodeAgent:
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
+        if self.host is not None:
+            self.host.start(self.supervisor)
+        if self.kube is not None:
+            self.kube.start(self.supervisor)  # the ledger is rebuilt before kubelet can Allocate
         self.endpoint.start()
         if self.metrics is not None:
             self.metrics.start()
 
     def stop(self) -> None:
         log.info("stopping")
+        if self.kube is not None:
+            self.kube.stop()  # flush queued annotations and events while their loops still run
         self.supervisor.stop_event.set()  # background loops wind down while the rest stops
         self.endpoint.stop()
         if self.metrics is not None:
             self.metrics.stop()
         self.supervisor.stop()
+        if self.host is not None:
+            self.host.stop()
         self.backend.close()
         log.info("stopped")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -113,9 +116,13 @@ def test_metrics_port_in_use(short_dir: Path) -> None:
     assert not (short_dir / "sim" / "node.json").exists()
 
 
-def test_kubernetes_mode_is_not_silently_accepted(short_dir: Path) -> None:
-    result = run_cli("run", "--simulate", "1xT4-16GB", "--device-plugin-dir", str(short_dir / "dp"))
-    assert result.returncode == 2 and "--no-kube" in result.stderr
+def test_kubernetes_mode_without_an_api_configuration_fails_clearly(short_dir: Path) -> None:
+    missing = short_dir / "no-such-kubeconfig"
+    dirs = ("--device-plugin-dir", str(short_dir / "dp"), "--sim-state-dir", str(short_dir / "sim"))
+    result = run_cli("run", "--simulate", "1xT4-16GB", "--kubeconfig", str(missing), *dirs)
+    assert result.returncode == 1
+    assert f"cannot load the Kubernetes API configuration from kubeconfig {missing}" in result.stderr
+    assert not (short_dir / "sim" / "node.json").exists()  # nothing left behind
 
 
 def test_config_reload_keeps_old_config_on_error(start_agent: Start, short_dir: Path) -> None:
@@ -129,3 +136,48 @@ def test_config_reload_keeps_old_config_on_error(start_agent: Start, short_dir: 
         r"config reload rejected, keeping the current config: .*node 'test-node'.*deviceMemoryScaling"
     )
     assert agent.proc.poll() is None
+
+
+def test_dump_bpf_prints_both_generated_programs() -> None:
+    result = run_cli("run", "--no-kube", "--dump-bpf")
+    assert result.returncode == 0, result.stderr
+    assert "// ==== ioctl tracer ====" in result.stdout and "sys_enter_ioctl" in result.stdout
+    assert "// ==== device guard (cgroup v2) ====" in result.stdout and "bpf_cgroup_dev_ctx" in result.stdout
+
+
+@pytest.mark.privileged
+def test_bpf_status_is_reported_and_a_load_failure_falls_back_to_nvml(
+    start_agent: Start, short_dir: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for BPF")
+    agent = start_agent("1xT4-16GB")
+    port = agent.metrics_port()
+    agent.wait_for_log(r"host: cgroup layout: \w+")
+    assert _eventually(port, 'vcuda_bpf_status{node="test-node",status="ok"}') == 1.0
+    agent.stop()
+    empty = short_dir / "no-bpf-sources"
+    empty.mkdir()
+    broken = start_agent("1xT4-16GB", "--bpf-dir", str(empty))
+    port = broken.metrics_port()
+    broken.wait_for_log(r"running on NVML alone: .*ioctl_tracer\.c")
+    assert _eventually(port, 'vcuda_bpf_status{node="test-node",status="load-failed"}') == 1.0
+    assert len(re.findall("running on NVML alone", broken.log())) == 1
+
+
+def _eventually(port: int, series: str, timeout_s: float = 30.0) -> float | None:
+    """The sample once it is 1 (the tracer compiles in the background), else its last value."""
+    deadline = time.monotonic() + timeout_s
+    value = _sample(port, series)
+    while value != 1.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = _sample(port, series)
+    return value
+
+
+def _sample(port: int, series: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+    return None

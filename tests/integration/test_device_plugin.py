@@ -179,6 +179,8 @@ def registered_more_than(kubelet: KubeletEmulator, count: int) -> bool:
 def test_fifty_kubelet_restarts(start_agent: Start, kubelet: KubeletEmulator) -> None:
     agent = start_agent()
     kubelet.wait_for_plugin()
+    # Start-up is over once the tracer compiled (it opens its BPF fds in the background).
+    agent.wait_for_log(r"ioctl tracer attached|running on NVML alone", timeout_s=30)
     baseline: tuple[int, int] | None = None
     for round_ in range(1, 51):
         before = len(kubelet.registrations)

@@ -1,6 +1,8 @@
-"""A simulated GPU node at work: starts `vcuda-agent run --simulate` as a real process,
-an emulated kubelet that admits the example pods over the real device plugin API,
-then injects a GPU fault and a kubelet restart, and stops the agent with SIGTERM."""
+"""A simulated GPU node at work: starts `vcuda-agent run --simulate` as a real process
+against an emulated kube-apiserver (real Kubernetes JSON over HTTP) and an emulated
+kubelet (the real device plugin and pod-resources APIs), admits the example pods,
+shows what the agent published and annotated, injects a GPU fault, a kubelet
+restart and an agent crash, and stops the agent with SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,14 +18,18 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from agent.domain.ids import decode
+from agent.emulators.apiserver import FakeApiServer
+from agent.emulators.cluster import EmulatedNode
 from agent.emulators.kubelet import AdmissionError, KubeletEmulator, PluginConnection
-from agent.emulators.pods import PodSpec, load_pods
+from agent.emulators.pods import load_manifests, pod_from_manifest
 from agent.emulators.simnode import sim_agent_command
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.simstate import SimStateDir
+from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines
 
 EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
 
@@ -54,42 +60,81 @@ class Demo:
         self.plugin_dir = workdir / "device-plugins"
         self.sim = SimStateDir(workdir / "sim")
         self.port = _free_port()
-        self.kubelet = KubeletEmulator(self.plugin_dir)
+        self.pod_resources = workdir / "pod-resources.sock"
+        self.kubelet = KubeletEmulator(self.plugin_dir, pod_resources_socket=self.pod_resources)
+        self.api = FakeApiServer()
+        self.node = EmulatedNode(self.api, self.kubelet, NODE)
+        self.view = ClusterView(self.api, NODE)
 
     def run(self) -> int:
         print(f"vcuda-agent demo: simulated node {self.spec}; files in {self.workdir}")
+        self.api.start()
+        self.api.create_node(NODE, labels={"nvidia-device-enable": "enable"})
+        kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
+        print(f"emulated kube-apiserver at {self.api.url} (kubeconfig {kubeconfig})")
         self.kubelet.start()
         try:
-            with self._agent() as agent:
+            with self._agent(kubeconfig) as first:
                 plugin = self._registration()
+                self.view.node_summary()
                 self._admissions(plugin)
                 self._fault(plugin)
                 self._kubelet_restart()
-                code = self._stop(agent)
+                code = self._stop(self._crash_and_recover(first, kubeconfig))
         finally:
             self.kubelet.stop()
+            self.api.stop()
         return code
 
     @contextlib.contextmanager
-    def _agent(self) -> Iterator[subprocess.Popen[bytes]]:
+    def _agent(self, kubeconfig: Path) -> Iterator[subprocess.Popen[bytes]]:
+        _section("starting the agent")
+        self._spawn(kubeconfig, show=True)
+        try:
+            yield self._proc
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._log.close()
+
+    def _spawn(self, kubeconfig: Path, show: bool = False) -> subprocess.Popen[bytes]:
         cmd = sim_agent_command(
             self.spec,
             self.plugin_dir,
             self.sim.root,
-            node_name="demo-node",
+            node_name=NODE,
             metrics_address=f"127.0.0.1:{self.port}",
+            kube=(kubeconfig, self.pod_resources),
         )
-        _section("starting the agent")
-        print("$ vcuda-agent " + " ".join(cmd[3:]))
-        log = (self.workdir / "agent.log").open("wb")
-        agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            yield agent
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
-            log.close()
+        if show:
+            print("$ vcuda-agent " + " ".join(cmd[3:]))
+        self._log = (self.workdir / "agent.log").open("ab")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        return self._proc
+
+    def _crash_and_recover(self, agent: subprocess.Popen[bytes], kubeconfig: Path) -> subprocess.Popen[bytes]:
+        _section("agent crash (SIGKILL) and restart")
+        before = self._http("/metrics")
+        agent.kill()
+        agent.wait()
+        self._log.close()
+        count = len(self.kubelet.registrations)
+        started = time.monotonic()
+        agent = self._spawn(kubeconfig)
+        if not self.kubelet.wait_for(lambda: len(self.kubelet.registrations) > count, 60):
+            raise AdmissionError("the restarted agent did not register within 60 s")
+        elapsed = time.monotonic() - started
+        after = self._http("/metrics")
+        rebuilt = [
+            line for line in (self.workdir / "agent.log").read_text().splitlines() if "ledger rebuilt" in line
+        ]
+        print(f"registered again {elapsed:.1f} s after the restart; {rebuilt[-1].split(': ', 1)[-1]}")
+        same = ledger_lines(before) == ledger_lines(after)
+        print(f"ledger after restart equals the ledger before the crash: {same}")
+        if not same:
+            raise AdmissionError("the rebuilt ledger differs from the one before the crash")
+        return agent
 
     def _registration(self) -> PluginConnection:
         plugin = self.kubelet.wait_for_plugin(timeout_s=30)
@@ -117,26 +162,30 @@ class Demo:
         return plugin
 
     def _admissions(self, plugin: PluginConnection) -> None:
-        pods = {p.name: p for p in load_pods(EXAMPLE_PODS)}
+        manifests = {m["metadata"]["name"]: m for m in load_manifests(EXAMPLE_PODS)}
         _section("admitting the example pods")
-        share, exclusive = pods["cuda-share-50"], pods["cuda-exclusive-200"]
-        self._admit(share)
-        self._admit(exclusive)
-        print(f"  -> deleting {share.key} to free GPU 0")
-        self.kubelet.release(share)
-        self._admit(exclusive)
-        print(f"  -> deleting {exclusive.key}")
-        self.kubelet.release(exclusive)
-        self._admit(pods["cuda-invalid-150"])
-        self._admit(share)
+        self._admit(manifests["cuda-share-50"])
+        self._admit(manifests["cuda-exclusive-200"])
+        print("  -> deleting default/cuda-share-50 to free GPU 0")
+        self.node.delete_pod("default", "cuda-share-50")
+        self.node.delete_pod("default", "cuda-exclusive-200")
+        self._admit(manifests["cuda-exclusive-200"])
+        print("  -> deleting default/cuda-exclusive-200")
+        self.node.delete_pod("default", "cuda-exclusive-200")
+        self._admit(manifests["cuda-invalid-150"])
+        self.node.delete_pod("default", "cuda-invalid-150")
+        self._admit(manifests["cuda-share-50"])
+        self._admit(manifests["cuda-bad-limit"])
+        self.view.pod_summary(["cuda-share-50", "cuda-bad-limit"], self._http("/metrics"))
 
-    def _admit(self, pod: PodSpec) -> None:
+    def _admit(self, manifest: dict[str, Any]) -> None:
+        pod = pod_from_manifest(manifest)
         requests = ", ".join(
             f"{c.name}: vcuda-core={c.cores} vcuda-memory={c.memory_mib}" for c in pod.containers
         )
         print(f"\npod {pod.key} ({requests})")
         try:
-            admission = self.kubelet.admit(pod)
+            admission = self.node.run_pod(manifest)
         except AdmissionError as err:
             print(f"  refused: {err}")
             return
@@ -155,6 +204,7 @@ class Demo:
     def _fault(self, plugin: PluginConnection) -> None:
         _section("GPU fault: XID 79 on GPU 1")
         before = len(plugin.updates)
+        capacity = self.view.capacity()
         started = time.monotonic()
         self.sim.post_event(1, EventKind.XID, xid=79, detail="demo")
         if not self.kubelet.wait_for(lambda: len(plugin.updates) > before, 5):
@@ -162,6 +212,7 @@ class Demo:
         unhealthy = sum(1 for d in plugin.devices.values() if d.health != "Healthy")
         elapsed_ms = (time.monotonic() - started) * 1000
         print(f"ListAndWatch update after {elapsed_ms:.0f} ms: {unhealthy} IDs Unhealthy")
+        self.view.capacity_after_fault(capacity)
 
     def _kubelet_restart(self) -> None:
         _section("kubelet restart")

@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from agent import __version__
-from agent.settings import DEFAULT_PLUGIN_DIR, DEFAULT_SIM_STATE_DIR, DeviceListStrategy
+from agent.settings import (
+    DEFAULT_BPF_DIR,
+    DEFAULT_PLUGIN_DIR,
+    DEFAULT_POD_RESOURCES_SOCKET,
+    DEFAULT_SIM_STATE_DIR,
+    DeviceListStrategy,
+    GuardMode,
+)
 from agent.surfaces.cli import demo, run, sim
 
 
@@ -61,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="run without the Kubernetes API: device plugin, metrics and enforcement only",
     )
     p.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="kubeconfig for the Kubernetes API (default: the in-cluster service account)",
+    )
+    p.add_argument(
+        "--pod-resources-socket",
+        default=str(DEFAULT_POD_RESOURCES_SOCKET),
+        metavar="PATH",
+        help=f"kubelet's pod-resources API (default {DEFAULT_POD_RESOURCES_SOCKET})",
+    )
+    p.add_argument(
         "--device-list-strategy",
         choices=[s.value for s in DeviceListStrategy],
         default="mounts",
@@ -82,6 +100,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignored-xids",
         metavar="LIST",
         help="XIDs that do not make a GPU Unhealthy (default 13,31,43,45,68,109)",
+    )
+    p.add_argument(
+        "--device-guard",
+        choices=[m.value for m in GuardMode],
+        default=GuardMode.ENFORCE.value,
+        help="NVIDIA device rules per container: enforce (default), audit (log/count only), off",
+    )
+    p.add_argument(
+        "--own-pod-uid",
+        metavar="UID",
+        help="the agent's own pod, which the device guard leaves alone (default: $POD_UID)",
+    )
+    p.add_argument(
+        "--cgroup-root", default="/sys/fs/cgroup", metavar="DIR", help="cgroup mount (default /sys/fs/cgroup)"
+    )
+    p.add_argument(
+        "--kubelet-config",
+        default="/var/lib/kubelet/config.yaml",
+        metavar="FILE",
+        help="kubelet's config file, for cgroupDriver (default /var/lib/kubelet/config.yaml)",
+    )
+    p.add_argument("--no-ioctl-tracing", action="store_true", help="no eBPF ioctl tracer: NVML alone")
+    p.add_argument(
+        "--bpf-dir",
+        default=str(DEFAULT_BPF_DIR),
+        metavar="DIR",
+        help="where ioctl_tracer.c and device_guard.c are (default: the bpf/ directory of this install)",
+    )
+    p.add_argument(
+        "--dump-bpf",
+        action="store_true",
+        help="print the generated BPF programs (ioctl tracer, device guard) and exit",
     )
     _add_sim_state_dir(p)
     p.add_argument(

@@ -14,10 +14,16 @@ from pathlib import Path
 
 from agent.domain.nodeconfig import ClusterConfig, load_config
 from agent.errors import ConfigError, VcudaError
+from agent.platform.bpf.ioctl_tracer import IoctlTracer
+from agent.platform.cgroups.devices_v2 import dump_source
 from agent.settings import (
+    BpfSettings,
+    CgroupSettings,
     DeviceListStrategy,
     DevicePluginSettings,
+    GuardMode,
     HealthSettings,
+    KubeSettings,
     MetricsSettings,
     Settings,
     SimulationSettings,
@@ -68,7 +74,30 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         health=health,
         simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir), cores=cores),
         metrics=MetricsSettings(host=host, port=port, enabled=not args.no_metrics),
+        cgroups=CgroupSettings(
+            root=Path(args.cgroup_root),
+            kubelet_config=Path(args.kubelet_config),
+            device_guard=GuardMode(args.device_guard),
+            own_pod_uid=args.own_pod_uid or os.environ.get("POD_UID", ""),
+        ),
+        bpf=BpfSettings(ioctl_tracing=not args.no_ioctl_tracing, bpf_dir=Path(args.bpf_dir)),
+        kube=KubeSettings(
+            kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None,
+            pod_resources_socket=Path(args.pod_resources_socket),
+        ),
     )
+
+
+def dump_bpf(settings: Settings) -> int:
+    """--dump-bpf: the exact programs the agent would load."""
+    try:
+        tracer = IoctlTracer(source_path=settings.bpf.bpf_dir / "ioctl_tracer.c").source()
+        guard = dump_source(settings.bpf.bpf_dir / "device_guard.c")
+    except VcudaError as err:
+        log.error("cannot generate the BPF programs: %s", err)
+        return EXIT_FAILED
+    print(f"// ==== ioctl tracer ====\n{tracer}\n// ==== device guard (cgroup v2) ====\n{guard}")
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,12 +108,8 @@ def main(args: argparse.Namespace) -> int:
         for problem in err.problems:
             log.error("invalid configuration: %s", problem)
         return EXIT_CONFIG
-    if settings.use_kube:
-        log.error(
-            "the Kubernetes integration (pod cache, node publisher) is not part of this build yet; "
-            "run with --no-kube to serve the device plugin, metrics and health without it"
-        )
-        return EXIT_CONFIG
+    if args.dump_bpf:
+        return dump_bpf(settings)
     stop, reload = threading.Event(), threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, _frame: _request_stop(stop, received))

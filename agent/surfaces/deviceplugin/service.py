@@ -9,7 +9,10 @@ from typing import NoReturn
 
 import grpc
 
+from agent.control.allocations import Allocations
+from agent.control.recovery import LedgerRecovery
 from agent.domain.health import HealthBoard
+from agent.domain.ledger import Assignment
 from agent.domain.placement import Placer
 from agent.domain.requests import ResolvedRequest, resolve_ids
 from agent.errors import AllocationError, GpuUnhealthyError, InsufficientCapacityError, VcudaError
@@ -30,12 +33,16 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         topology: Topology,
         board: HealthBoard,
         responses: ResponseBuilder,
+        placer: Placer | None = None,
     ) -> None:
         self._gpus = tuple(gpus)
         self._board = board
         self._responses = responses
-        self._placer = Placer(self._gpus, topology)
+        self._placer = placer or Placer(self._gpus, topology)
         self._table = self._placer.table
+        # With Kubernetes: which pod an Allocate is for, and kubelet's word on it.
+        self.allocations: Allocations | None = None
+        self.recovery: LedgerRecovery | None = None
 
     def options(self) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
@@ -82,10 +89,12 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
     ) -> pb.PreferredAllocationResponse:
         responses = []
         for creq in request.container_requests:
+            available, must = list(creq.available_deviceIDs), list(creq.must_include_deviceIDs)
             try:
-                ids = self._placer.preferred(
-                    list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
-                )
+                if self.allocations is not None:
+                    ids = self.allocations.prefer(available, must, creq.allocation_size)
+                else:
+                    ids = self._placer.preferred(available, must, creq.allocation_size)
             except VcudaError as err:
                 _abort(context, err, "GetPreferredAllocation")
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
@@ -93,19 +102,30 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         resolved: list[ResolvedRequest] = []
+        assigned: list[Assignment] = []
         for creq in request.container_requests:
             try:
                 item = resolve_ids(self._gpus, creq.devices_ids, self._table)
                 self._check_healthy(item)
+                if self.allocations is not None:
+                    assigned.append(self.allocations.allocate(list(creq.devices_ids), item))
             except VcudaError as err:
+                self._undo(assigned)
                 _abort(context, err, "Allocate")
             resolved.append(item)
         response = pb.AllocateResponse(container_responses=[self._responses.build(r) for r in resolved])
-        for item in resolved:
-            log.info(
-                "Allocate: %d vcuda-core on GPU %s", item.cores, ",".join(str(g.index) for g in item.gpus)
-            )
+        if self.allocations is None:
+            for item in resolved:
+                log.info(
+                    "Allocate: %d vcuda-core on GPU %s", item.cores, ",".join(str(g.index) for g in item.gpus)
+                )
         return response
+
+    def _undo(self, assigned: list[Assignment]) -> None:
+        # kubelet retries the whole request; containers matched before the failure must be free again.
+        if self.allocations is not None:
+            for item in assigned:
+                self.allocations.ledger.release(item.pod_uid, item.container)
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
@@ -115,6 +135,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             self._check_healthy(item)
         except VcudaError as err:
             _abort(context, err, "PreStartContainer")
+        if self.recovery is not None:
+            outcome = self.recovery.verify(list(request.devices_ids))
+            log.info(
+                "PreStartContainer: %d IDs on GPU %s %s by kubelet's pod-resources",
+                item.cores,
+                ",".join(str(g.index) for g in item.gpus),
+                outcome,
+            )
         return pb.PreStartContainerResponse()
 
     def _check_healthy(self, item: ResolvedRequest) -> None:

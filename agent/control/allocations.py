@@ -1,0 +1,184 @@
+"""Allocate ↔ pod: match kubelet's device IDs to a pod's container, record it in the
+ledger, annotate the pod, and release shares when pods finish or go away."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from agent.control.annotator import Annotator
+from agent.control.kubeports import EventSink, PodSource
+from agent.domain.annotations import GPU_ASSIGNED, PREDICATE_NODE, PREDICATE_TIME, predicate_key
+from agent.domain.ids import IdTable
+from agent.domain.ledger import Assignment, Ledger
+from agent.domain.matching import Candidate, ProfileCache, candidates_in, match, next_gpu_container, steer
+from agent.domain.placement import Placer
+from agent.domain.requests import ResolvedRequest, is_whole
+from agent.errors import AllocationError, InsufficientCapacityError, VcudaError
+from agent.platform.kube.pods import PodInfo
+
+log = logging.getLogger(__name__)
+
+PodListener = Callable[[PodInfo], object]
+
+
+class Allocations:
+    """The Kubernetes side of Allocate and GetPreferredAllocation."""
+
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        table: IdTable,
+        placer: Placer,
+        ledger: Ledger,
+        pods: PodSource,
+        annotator: Annotator,
+        events: EventSink,
+        wait_for_pod_s: float = 3.0,
+    ) -> None:
+        self.node_name = node_name
+        self._table = table
+        self._placer = placer
+        self.ledger = ledger
+        self._pods = pods
+        self._annotator = annotator
+        self._events = events
+        self._wait_s = wait_for_pod_s
+        self._lock = threading.Lock()  # matching + ledger update are one step
+        self._profiles = ProfileCache(node_name)
+        self.on_assigned: list[PodListener] = []
+        self.allocations = 0
+        self.refusals = 0
+
+    # GetPreferredAllocation ---------------------------------------------------
+    def prefer(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Steer to the extender's GPU, or to a GPU whose ledger has room for the best
+        candidate's memory; otherwise the plain placement."""
+        best = self._best(size) or self._await_best(size)
+        target = steer(best)
+        if target is None and best is not None and not is_whole(size):
+            target = self._roomy_gpus(best, available)
+        if target:
+            narrowed = [
+                d
+                for d, (gpu, _) in zip(available, self._table.locate_all(available), strict=True)
+                if gpu in target
+            ]
+            try:
+                return self._placer.preferred(narrowed, must_include, size)
+            except VcudaError as err:
+                log.info("GetPreferredAllocation: cannot steer to GPU %s (%s); plain placement", target, err)
+        return self._placer.preferred(available, must_include, size)
+
+    def _roomy_gpus(self, candidate: Candidate, available: Sequence[str]) -> tuple[int, ...]:
+        need = candidate.memory_mib or 0
+        gpus = {gpu for gpu, _ in self._table.locate_all(available)}
+        return tuple(sorted(g for g in gpus if self.ledger.free(g, candidate.pod.uid)[1] >= need))
+
+    # Allocate -------------------------------------------------------------------
+    def allocate(self, device_ids: Sequence[str], resolved: ResolvedRequest) -> Assignment:
+        """Assign the IDs to a pod's container; AllocationError (with the reason) if none fits."""
+        if self._best(resolved.cores) is None:
+            self._await_best(resolved.cores)
+        try:
+            with self._lock:
+                item, pod = self._assign(device_ids, resolved)
+        except AllocationError:
+            self.refusals += 1
+            raise
+        self.allocations += 1
+        self._annotate(pod, item)
+        log.info(
+            "Allocate: %s gets %d vcuda-core on GPU %s, %s",
+            item.label,
+            item.cores,
+            ",".join(map(str, item.gpus)),
+            "whole GPUs" if item.whole else f"{item.memory_mib} MiB quota",
+        )
+        for listener in self.on_assigned:
+            listener(pod)
+        return item
+
+    def _assign(self, device_ids: Sequence[str], resolved: ResolvedRequest) -> tuple[Assignment, PodInfo]:
+        gpus = tuple(g.index for g in resolved.gpus)
+        chosen = match(*self._ranked(resolved.cores), gpus=gpus, node_name=self.node_name)
+        if not resolved.whole and chosen.memory_mib is None:
+            raise AllocationError(
+                f"pod {chosen.pod.key} container {chosen.container.name} requests {resolved.cores} "
+                "vcuda-core (a share of one GPU) but no nvidia.com/vcuda-memory: a share needs a "
+                "memory quota in MiB, e.g. nvidia.com/vcuda-memory: 2048"
+            )
+        item = Assignment(
+            pod_uid=chosen.pod.uid,
+            namespace=chosen.pod.namespace,
+            pod=chosen.pod.name,
+            container=chosen.container.name,
+            init=chosen.container.init,
+            gpus=gpus,
+            cores=resolved.cores,
+            memory_mib=0 if resolved.whole else (chosen.memory_mib or 0),
+            device_ids=frozenset(device_ids),
+        )
+        try:
+            self.ledger.assign(item)
+        except InsufficientCapacityError as err:
+            self._events.pod(chosen.pod, "GPUOversubscribed", str(err))
+            raise
+        return item, chosen.pod
+
+    def _await_best(self, size: int) -> Candidate | None:
+        # kubelet admits a pod as soon as its own watch sees it; ours may be a moment behind.
+        self._pods.wait_for(lambda: self._best(size) is not None, self._wait_s)
+        return self._best(size)
+
+    def _best(self, size: int) -> Candidate | None:
+        with self._lock:
+            return next(self._ranked(size)[0], None)
+
+    def _ranked(self, size: int) -> tuple[Iterator[Candidate], int]:
+        """(candidates best first, pods in the cache); the caller holds self._lock (the profile
+        cache needs it)."""
+        version, pods = self._pods.snapshot()
+        ranked = self._profiles.ranked_at(version, lambda: pods)
+        return candidates_in(ranked, self.ledger.keys(), size), len(pods)
+
+    def _annotate(self, pod: PodInfo, item: Assignment) -> None:
+        container = pod.container(item.container)
+        updates: dict[str, str | None] = {}
+        if container is not None:
+            key = predicate_key(container.index, container.init)
+            value = ",".join(map(str, item.gpus))
+            if pod.annotations.get(key) != value:
+                updates[key] = value
+        if pod.annotations.get(PREDICATE_NODE) != self.node_name:
+            updates[PREDICATE_NODE] = self.node_name
+        if PREDICATE_TIME not in pod.annotations:
+            updates[PREDICATE_TIME] = str(time.time_ns())
+        if next_gpu_container(pod, self.ledger) is None:
+            updates[GPU_ASSIGNED] = "true"
+        if updates:
+            self._annotator.submit(pod, updates)
+
+    # Pod lifecycle ---------------------------------------------------------------
+    def on_pod_event(self, kind: str, old: PodInfo | None, new: PodInfo | None) -> None:
+        """Pod cache subscriber: finished or deleted pods give their shares back; init
+        containers' shares go once the pod runs (they have all completed by then)."""
+        pod = new or old
+        if pod is None:
+            return
+        if kind == "DELETED" or (new is not None and new.finished):
+            for item in self.ledger.release(pod.uid):
+                log.info(
+                    "released %s: %d cores on GPU %s (pod %s)",
+                    item.label,
+                    item.cores,
+                    ",".join(map(str, item.gpus)),
+                    "deleted" if kind == "DELETED" else new and new.phase,
+                )
+        elif new is not None and new.phase == "Running":
+            for item in self.ledger.of_pod(pod.uid):
+                if item.init:
+                    self.ledger.release(pod.uid, item.container)

@@ -1,0 +1,111 @@
+"""Writes pod annotations off the Allocate path: Allocate records the ledger at once and
+queues the PATCH here, so kubelet never waits on the API server. Failed writes are
+retried with back-off; a pod that is gone (404) is dropped."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.clock import Clock, SystemClock
+from agent.errors import KubeError
+from agent.platform.kube.pods import PodInfo
+
+log = logging.getLogger(__name__)
+
+
+class AnnotationPatcher(Protocol):
+    def patch_annotations(
+        self,
+        namespace: str,
+        name: str,
+        annotations: Mapping[str, str | None],
+        resource_version: str | None = None,
+    ) -> PodInfo: ...
+
+
+@dataclass
+class _Write:
+    namespace: str
+    name: str
+    annotations: dict[str, str | None]
+    attempts: int = 0
+
+
+class Annotator:
+    def __init__(
+        self,
+        writer: AnnotationPatcher,
+        clock: Clock | None = None,
+        max_attempts: int = 8,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self._writer = writer
+        self._clock = clock or SystemClock()
+        self._queue: queue.Queue[_Write] = queue.Queue(maxsize=10_000)
+        self._max_attempts = max_attempts
+        self._max_backoff_s = max_backoff_s
+        self._idle = threading.Condition()
+        self._busy = 0
+        self.written = 0
+        self.failed = 0
+
+    def submit(self, pod: PodInfo, annotations: Mapping[str, str | None]) -> None:
+        with self._idle:
+            self._busy += 1
+        try:
+            self._queue.put_nowait(_Write(pod.namespace, pod.name, dict(annotations)))
+        except queue.Full:
+            self._done()
+            self.failed += 1
+            log.error("annotation queue full: dropped %s for pod %s", sorted(annotations), pod.key)
+
+    def pending(self) -> int:
+        with self._idle:
+            return self._busy
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted write finished (tests, shutdown)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout=timeout_s)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                write = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._attempt(write, stop)
+
+    def _attempt(self, write: _Write, stop: threading.Event) -> None:
+        backoff = 0.2
+        where = f"{write.namespace}/{write.name}"
+        while True:
+            write.attempts += 1
+            try:
+                self._writer.patch_annotations(write.namespace, write.name, write.annotations)
+            except KubeError as err:
+                if err.status == 404:
+                    log.info("pod %s is gone; dropped its annotation update", where)
+                    break
+                if write.attempts >= self._max_attempts or stop.is_set():
+                    self.failed += 1
+                    log.error("gave up annotating pod %s after %d tries: %s", where, write.attempts, err)
+                    break
+                log.warning("annotating pod %s failed (try %d): %s", where, write.attempts, err)
+                if self._clock.sleep(backoff, stop):
+                    break
+                backoff = min(self._max_backoff_s, backoff * 2)
+                continue
+            self.written += 1
+            break
+        self._done()
+
+    def _done(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()

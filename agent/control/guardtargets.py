@@ -1,0 +1,64 @@
+"""Which containers the device guard covers, and what each may open.
+
+Every started container of every pod on this node is a target: a container in the
+ledger may use its own GPUs' minors; every other container gets no NVIDIA device
+(this closes NVIDIA_VISIBLE_DEVICES=all on pods that never asked for a GPU). Not
+covered: the agent's own pod (NVML needs /dev/nvidia*), pods annotated
+``nvidia.com/vcuda-device-guard: exempt`` (e.g. a DCGM exporter), and pods that
+request GPUs from another device plugin (``nvidia.com/gpu``, MIG resources).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from agent.control.deviceguard import GuardTarget
+from agent.domain.ledger import Ledger
+from agent.errors import KubeError
+from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.kube.podcache import PodCache
+from agent.platform.kube.pods import PodInfo
+
+EXEMPT_ANNOTATION = "nvidia.com/vcuda-device-guard"
+EXEMPT_VALUE = "exempt"
+_OTHER_GPU_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-")
+
+
+class GuardTargets:
+    def __init__(
+        self, pods: PodCache, ledger: Ledger, gpus: Sequence[GpuInfo], own_pod_uid: str = ""
+    ) -> None:
+        self._pods = pods
+        self._ledger = ledger
+        self._minors: Mapping[int, int] = {g.index: g.minor for g in gpus}
+        self._own = own_pod_uid
+
+    def __call__(self) -> list[GuardTarget]:
+        """The targets now; raises KubeError while the pod cache has not synced, so the guard
+        keeps its rules instead of taking them all back for an empty list."""
+        if not self._pods.stats().synced:
+            raise KubeError("the pod cache has not synced yet; device rules stay as they are")
+        targets: list[GuardTarget] = []
+        for pod in self._pods.pods():
+            if pod.finished or self._exempt(pod):
+                continue
+            for container in pod.containers:
+                if not container.container_id:
+                    continue  # not started: no cgroup yet
+                held = self._ledger.get(pod.uid, container.name)
+                minors = frozenset(self._minors[g] for g in held.gpus) if held is not None else None
+                targets.append(
+                    GuardTarget(
+                        pod_uid=pod.uid,
+                        qos=pod.qos_class,
+                        container_id=container.container_id,
+                        gpu_minors=minors,
+                        label=f"{pod.key}/{container.name}",
+                    )
+                )
+        return targets
+
+    def _exempt(self, pod: PodInfo) -> bool:
+        if pod.uid == self._own or pod.annotations.get(EXEMPT_ANNOTATION) == EXEMPT_VALUE:
+            return True
+        return any(r.startswith(_OTHER_GPU_RESOURCES) for c in pod.containers for r in c.resources)

@@ -1,0 +1,86 @@
+"""Enforcement specs for every GPU container in the ledger, with Events for bad annotations.
+
+The enforcement controller ([D]) reads ``specs()`` each control period. An invalid
+``vcuda-core-limit`` or ``vcuda-policy`` becomes one Kubernetes Event per pod and
+problem (not one per period) and the safe default in the spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+
+from agent.control.kubeports import EventSink, PodSource
+from agent.domain.annotations import POLICY, Policy
+from agent.domain.ledger import Ledger
+from agent.domain.specs import EnforcementSpec, build_spec, node_policy
+from agent.platform.kube.pods import PodInfo
+
+log = logging.getLogger(__name__)
+
+INVALID_ANNOTATION = "InvalidGPUAnnotation"
+
+
+class SpecBook:
+    def __init__(
+        self,
+        ledger: Ledger,
+        pods: PodSource,
+        events: EventSink,
+        node_name: str,
+        node_labels: Callable[[], Mapping[str, str]] = dict,
+    ) -> None:
+        self._ledger = ledger
+        self._pods = pods
+        self._events = events
+        self._node = node_name
+        self._node_labels = node_labels
+        self._lock = threading.Lock()
+        self._reported: set[tuple[str, str]] = set()  # (pod uid or "node", problem)
+
+    def default_policy(self) -> Policy:
+        policy, problem = node_policy(self._node_labels().get(POLICY), self._node)
+        if problem and self._first_time("node", problem):
+            log.warning("%s; using %s", problem, policy)
+            self._events.node(INVALID_ANNOTATION, f"{problem}; pods on this node default to {policy}")
+        return policy
+
+    def specs(self) -> list[EnforcementSpec]:
+        default = self.default_policy()
+        out = [build_spec(item, self._pods.get(item.pod_uid), default) for item in self._ledger.assignments()]
+        for spec in out:
+            self._report(spec)
+        return out
+
+    def check_pod(self, pod: PodInfo) -> list[EnforcementSpec]:
+        """Specs of one pod's assigned containers, reporting new problems (after Allocate, and
+        when the pod's annotations change)."""
+        default = self.default_policy()
+        out = [build_spec(item, pod, default) for item in self._ledger.of_pod(pod.uid)]
+        for spec in out:
+            self._report(spec, pod)
+        return out
+
+    def forget(self, pod_uid: str) -> None:
+        with self._lock:
+            self._reported = {k for k in self._reported if k[0] != pod_uid}
+
+    def _report(self, spec: EnforcementSpec, pod: PodInfo | None = None) -> None:
+        for problem in spec.problems:
+            if not self._first_time(spec.pod_uid, problem):
+                continue
+            message = (
+                f"container {spec.container}: {problem}; enforcing {spec.policy} with a cap of {spec.cap}"
+            )
+            log.warning("pod %s: %s", f"{spec.namespace}/{spec.pod}", message)
+            target = pod or self._pods.get(spec.pod_uid)
+            if target is not None:
+                self._events.pod(target, INVALID_ANNOTATION, message)
+
+    def _first_time(self, owner: str, problem: str) -> bool:
+        with self._lock:
+            if (owner, problem) in self._reported:
+                return False
+            self._reported.add((owner, problem))
+            return True

@@ -1,0 +1,1 @@
+"""cgroups: layout and driver detection, pod/container path resolution, GPU device rules."""

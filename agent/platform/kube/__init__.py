@@ -1,0 +1,1 @@
+"""Kubernetes API adapters: the pod model, the pod cache, node and event writers."""
