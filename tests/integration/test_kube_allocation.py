@@ -165,6 +165,7 @@ def test_restart_mid_allocation_rebuilds_the_ledger_from_kubelet(
         pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
     )
     agent.stop(signal.SIGKILL)
+    registrations = len(cluster.kubelet.registrations)
 
     restarted = start_agent("2xH100-80GB", kube=cluster.kube)
     restarted.wait_for_log(r"ledger rebuilt from pod-resources: 3 containers")
@@ -178,6 +179,11 @@ def test_restart_mid_allocation_rebuilds_the_ledger_from_kubelet(
     per_gpu = sorted(metric(text, "vcuda_gpu_cores_allocated", gpu=g) or 0.0 for g in ("0", "1"))
     assert per_gpu == [70.0, 100.0]
     # The admission finishes against the new agent: PreStartContainer confirms it.
+    assert cluster.kubelet.wait_for(lambda: len(cluster.kubelet.registrations) > registrations, 30)
+    latest = cluster.kubelet.registrations[-1]
+    assert cluster.kubelet.wait_for(
+        lambda: (p := cluster.kubelet.plugins.get(plugin.resource)) is not None and p.request is latest, 30
+    )
     plugin = cluster.kubelet.wait_for_plugin(timeout_s=30)
     plugin.stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids))
     restarted.wait_for_log(r"PreStartContainer: 30 IDs on GPU \d confirmed")
