@@ -87,11 +87,18 @@ class KubeIntegration:
         self.allocations.on_assigned.append(self.specbook.check_pod)
         self.pods.subscribe(self._on_pod_event)
         self.last_rebuild: RebuildReport | None = None
+        self._labels: Mapping[str, str] = {}
+        self._labels_version = -1
 
     def node_labels(self) -> Mapping[str, str]:
-        node: Mapping[str, Any] = self.node_watch.current() or {}
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        return {str(k): str(v) for k, v in labels.items()}
+        """The node's labels, re-read only when the node watch saw a change (Allocate asks)."""
+        version = self.node_watch.version
+        if version != self._labels_version:
+            node: Mapping[str, Any] = self.node_watch.current() or {}
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            self._labels = {str(k): str(v) for k, v in labels.items()}
+            self._labels_version = version
+        return self._labels
 
     def specs(self) -> list[EnforcementSpec]:
         return self.specbook.specs()
