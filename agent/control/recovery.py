@@ -89,7 +89,7 @@ class LedgerRecovery:
 
     def _correct(self, assumed: Assignment | None, owner: tuple[str, str, str], ids: frozenset[str]) -> None:
         namespace, name, container = owner
-        pod = self._find(namespace, name)
+        pod = self._pods.find(namespace, name)
         was = assumed.label if assumed else "nobody"
         self.corrections += 1
         log.warning(
@@ -117,7 +117,8 @@ class LedgerRecovery:
         except VcudaError as err:
             log.error("cannot record kubelet's allocation for %s: %s", item.label, err)
             return
-        self._annotator.submit(pod, {predicate_key(*_index(pod, container)): ",".join(map(str, item.gpus))})
+        key = predicate_key(*_index(pod, container))
+        self._annotator.submit(pod, {key: ",".join(map(str, item.gpus))})
 
     # Agent start --------------------------------------------------------------
     def rebuild(self) -> RebuildReport:
@@ -145,7 +146,7 @@ class LedgerRecovery:
         for r in records:
             if r.resource != self._resource or not r.device_ids:
                 continue
-            pod = self._find(r.namespace, r.pod)
+            pod = self._pods.find(r.namespace, r.pod)
             if pod is None:
                 report.problems.append(f"{r.namespace}/{r.pod}/{r.container}: not in the pod cache (gone?)")
                 continue
@@ -179,9 +180,12 @@ class LedgerRecovery:
     # Helpers ---------------------------------------------------------------------
     def _assignment(self, pod: PodInfo, container: str, ids: list[str]) -> Assignment | None:
         spec = pod.container(container)
+        if spec is None:
+            log.error("kubelet reports IDs for %s/%s, a container the pod does not have", pod.key, container)
+            return None
         try:
             resolved = resolve_ids(self._gpus, ids, self._table)
-            memory = spec.quantity(MEMORY_RESOURCE) if spec is not None else 0
+            memory = spec.quantity(MEMORY_RESOURCE)
         except (VcudaError, ValueError) as err:
             log.error("kubelet reports IDs for %s/%s that the agent cannot use: %s", pod.key, container, err)
             return None
@@ -190,7 +194,7 @@ class LedgerRecovery:
             namespace=pod.namespace,
             pod=pod.name,
             container=container,
-            init=spec.init if spec is not None else False,
+            init=spec.init,
             gpus=tuple(g.index for g in resolved.gpus),
             cores=resolved.cores,
             memory_mib=0 if resolved.whole else memory,
@@ -198,7 +202,7 @@ class LedgerRecovery:
         )
 
     def _find(self, namespace: str, name: str) -> PodInfo | None:
-        return next((p for p in self._pods.pods() if p.namespace == namespace and p.name == name), None)
+        return self._pods.find(namespace, name)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
@@ -212,4 +216,5 @@ def _who(item: Assignment) -> tuple[str, str, str]:
 
 def _index(pod: PodInfo, container: str) -> tuple[int, bool]:
     spec = pod.container(container)
-    return (spec.index, spec.init) if spec is not None else (0, False)
+    assert spec is not None, "_assignment refused containers the pod does not have"
+    return spec.index, spec.init
