@@ -25,12 +25,15 @@ import argparse
 import contextlib
 import multiprocessing
 import multiprocessing.queues
+import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -193,16 +196,18 @@ def running_kube_node(spec: str, workdir: Path, pods: int) -> Iterator[tuple[Kub
     kubelet = KubeletEmulator(workdir / "dp", pod_resources_socket=workdir / "pr.sock")
     kubelet.start()
     kube = (workdir / "kubeconfig", workdir / "pr.sock")
+    port = free_port()
     cmd = sim_agent_command(
         spec,
         workdir / "dp",
         workdir / "sim",
-        metrics_address=None,
+        metrics_address=f"127.0.0.1:{port}",
         kube=kube,
         extra=("--log-level", "WARNING"),
     )
     agent = subprocess.Popen(cmd)
     try:
+        wait_until_started(port)
         yield kubelet, pending
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -210,6 +215,26 @@ def running_kube_node(spec: str, workdir: Path, pods: int) -> Iterator[tuple[Kub
         kubelet.stop()
         done.set()
         server.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_until_started(port: int, timeout_s: float = 120.0) -> None:
+    """Until the agent's start-up work is over: the ioctl tracer compiles its BPF program in the
+    background (seconds of CPU on this 2-core machine), which must not overlap timed rounds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                text = answer.read().decode()
+            if re.search(r'^vcuda_bpf_status\{[^}]*status="starting"\} 0\.0$', text, re.M):
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"the agent did not finish starting within {timeout_s:.0f} s")
 
 
 def _serve_api(workdir: Path, pods: int, uids: multiprocessing.queues.Queue[list[str]], done: Event) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
-from agent.domain.annotations import predicate_time, predicated_gpus
+from agent.domain.annotations import is_assigned, predicate_time, predicated_gpus
 from agent.domain.ledger import Ledger
 from agent.errors import AllocationError
 from agent.platform.kube.pods import CORE_RESOURCE, MEMORY_RESOURCE, ContainerInfo, PodInfo
@@ -62,8 +62,12 @@ def next_gpu_container(pod: PodInfo, ledger: Ledger) -> ContainerInfo | None:
 
 
 def profile(pod: PodInfo, node_name: str) -> PodProfile | None:
-    """None unless the pod is Pending on this node and asks for vcuda-core."""
+    """None unless the pod is Pending on this node, asks for vcuda-core and is not yet marked
+    ``gpu-assigned=true`` (written once all its GPU containers are placed: such pods stay
+    Pending for a while, and every Allocate would walk past them)."""
     if pod.node_name != node_name or pod.phase != "Pending" or pod.deleting or not pod.wants_gpu:
+        return None
+    if is_assigned(pod.annotations):
         return None
     items: list[Candidate] = []
     for container in pod.containers:

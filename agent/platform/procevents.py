@@ -21,7 +21,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -65,17 +65,38 @@ class ProcEvent:
     pid: int  # the tgid
 
 
-def events_from_messages(messages: Iterable[Mapping[str, Any]]) -> list[ProcEvent]:
-    """Process-level events out of pyroute2's parsed cn_proc messages; thread events are dropped."""
+_NLMSG_LEN = struct.Struct("=I")
+_NLMSG_HDR = 16
+_WHAT_OFFSET = _NLMSG_HDR + 20  # after nlmsghdr and cn_msg
+_EVENT_IDS = struct.Struct("=II")  # fork: parent pid/tgid, then child; exec/exit: process pid/tgid
+_FORK_CHILD_OFFSET = _ACK_ERR_OFFSET + 8
+
+
+def events_from_datagram(data: bytes) -> list[ProcEvent]:
+    """Process-level events out of one raw cn_proc datagram; thread events are dropped.
+
+    Decoded with struct rather than pyroute2's parser: every thread start, exit and rename on
+    the host arrives here, and pyroute2's generic decoder cost ~1 ms of GIL time per event,
+    which under a busy node starved the agent's gRPC threads (docs/benchmarks.md)."""
     events = []
-    for msg in messages:
-        what = msg["what"]
-        if what == PROC_EVENT_FORK and msg["child_pid"] == msg["child_tgid"]:
-            events.append(ProcEvent(EventKind.FORK, msg["child_tgid"]))
-        elif what == PROC_EVENT_EXEC:
-            events.append(ProcEvent(EventKind.EXEC, msg["process_tgid"]))
-        elif what == PROC_EVENT_EXIT and msg["process_pid"] == msg["process_tgid"]:
-            events.append(ProcEvent(EventKind.EXIT, msg["process_tgid"]))
+    offset = 0
+    while offset + _ACK_ERR_OFFSET + 8 <= len(data):
+        (length,) = _NLMSG_LEN.unpack_from(data, offset)
+        if length < _NLMSG_HDR:
+            break
+        if length >= _ACK_ERR_OFFSET + 16:
+            (what,) = _NLMSG_LEN.unpack_from(data, offset + _WHAT_OFFSET)
+            if what == PROC_EVENT_FORK:
+                pid, tgid = _EVENT_IDS.unpack_from(data, offset + _FORK_CHILD_OFFSET)
+                if pid == tgid:
+                    events.append(ProcEvent(EventKind.FORK, tgid))
+            elif what in (PROC_EVENT_EXEC, PROC_EVENT_EXIT):
+                pid, tgid = _EVENT_IDS.unpack_from(data, offset + _ACK_ERR_OFFSET)
+                if what == PROC_EVENT_EXEC:
+                    events.append(ProcEvent(EventKind.EXEC, tgid))
+                elif pid == tgid:
+                    events.append(ProcEvent(EventKind.EXIT, tgid))
+        offset += (length + 3) & ~3
     return events
 
 
@@ -144,7 +165,7 @@ class ProcEventSource:
                     raise PlatformError(f"reading process events failed: {err}") from err
                 self._overflowed = True  # hand over what was read; report the loss next time
                 break
-            events.extend(events_from_messages(self._sock.marshal.parse(data)))
+            events.extend(events_from_datagram(data))
         return events
 
     def close(self) -> None:

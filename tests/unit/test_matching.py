@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.domain.annotations import PREDICATE_TIME
+from agent.domain.annotations import GPU_ASSIGNED, PREDICATE_TIME
 from agent.domain.ledger import Assignment, Ledger
 from agent.domain.matching import (
     NoMatchingPodError,
@@ -50,6 +50,14 @@ def test_a_pod_without_annotations_matches_by_size_and_age() -> None:
     newer = make_pod("newer", container("c", 50, 1024), created="2026-11-22T11:00:00Z")
     older = make_pod("older", container("c", 50, 1024), created="2026-11-22T10:00:00Z")
     assert pick([small, newer, older], 50, (1,)) == "older/c"
+
+
+def test_a_pod_marked_assigned_is_no_longer_a_candidate() -> None:
+    # Still Pending (kubelet is starting it), but every GPU container was placed already.
+    placed = make_pod("placed", container("c", 50, 1024), annotations={GPU_ASSIGNED: "true"})
+    waiting = make_pod("waiting", container("c", 50, 1024), annotations={GPU_ASSIGNED: "false"})
+    assert pick([placed, waiting], 50, (0,)) == "waiting/c"
+    assert candidates([placed], NODE, Ledger(make_gpus(2)), 50) == []
 
 
 def test_multi_container_pod_matches_its_next_unassigned_container() -> None:

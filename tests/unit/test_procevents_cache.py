@@ -23,7 +23,7 @@ from agent.platform.procevents import (
     ProcEvent,
     ProcEventsLost,
     ProcEventsUnavailable,
-    events_from_messages,
+    events_from_datagram,
     listen_error,
 )
 from agent.platform.procfs import ProcessIdentity, ProcFS
@@ -64,20 +64,37 @@ def make_cache(proc: FakeProc, **kwargs: Any) -> tuple[ProcessCache[str], list[P
     return cache, changes
 
 
-def test_messages_become_process_events_and_thread_events_are_dropped() -> None:
-    messages = [
-        {"what": PROC_EVENT_FORK, "child_pid": 10, "child_tgid": 10, "parent_tgid": 1},
-        {"what": PROC_EVENT_FORK, "child_pid": 11, "child_tgid": 10, "parent_tgid": 10},  # a thread
-        {"what": PROC_EVENT_EXEC, "process_pid": 10, "process_tgid": 10},
-        {"what": 0x200, "process_pid": 10, "process_tgid": 10},  # comm change: ignored
-        {"what": PROC_EVENT_EXIT, "process_pid": 11, "process_tgid": 10},  # the thread exits
-        {"what": PROC_EVENT_EXIT, "process_pid": 10, "process_tgid": 10},
-    ]
-    assert events_from_messages(messages) == [
+def cn_proc_message(what: int, *ids: int) -> bytes:
+    """One netlink message as the kernel sends it: nlmsghdr, cn_msg, proc_event."""
+    data = struct.pack("=IIQ", what, 0, 123) + struct.pack(f"={len(ids)}I", *ids)
+    data += bytes(-len(data) % 4 + 8)  # the union is larger than most members
+    cn_msg = struct.pack("=IIIIHH", 1, 1, 0, 0, len(data), 0)
+    return struct.pack("=IHHII", 16 + 20 + len(data), 3, 0, 0, 0) + cn_msg + data
+
+
+def test_datagrams_become_process_events_and_thread_events_are_dropped() -> None:
+    datagram = b"".join(
+        [
+            cn_proc_message(PROC_EVENT_FORK, 1, 1, 10, 10),
+            cn_proc_message(PROC_EVENT_FORK, 10, 10, 11, 10),  # a thread
+            cn_proc_message(PROC_EVENT_EXEC, 10, 10),
+            cn_proc_message(0x200, 10, 10),  # comm change: ignored
+            cn_proc_message(PROC_EVENT_EXIT, 11, 10, 0, 17, 1, 1),  # the thread exits
+            cn_proc_message(PROC_EVENT_EXIT, 10, 10, 0, 17, 1, 1),
+        ]
+    )
+    assert events_from_datagram(datagram) == [
         ProcEvent(EventKind.FORK, 10),
         ProcEvent(EventKind.EXEC, 10),
         ProcEvent(EventKind.EXIT, 10),
     ]
+
+
+def test_a_truncated_datagram_yields_what_is_whole() -> None:
+    whole = cn_proc_message(PROC_EVENT_EXEC, 7, 7)
+    assert events_from_datagram(whole + whole[:30]) == [ProcEvent(EventKind.EXEC, 7)]
+    assert events_from_datagram(b"") == []
+    assert events_from_datagram(struct.pack("=IHHII", 0, 3, 0, 0, 0) + bytes(60)) == []
 
 
 class AckMessage(dict[str, int]):
