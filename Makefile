@@ -44,6 +44,8 @@ format: setup
 bench: setup
 	$(VPY) bench/allocate.py
 	$(VPY) bench/restarts.py
+	$(VPY) bench/enforcement.py
+	$(VPY) bench/controller_cost.py
 
 # Regenerate the gRPC stubs (committed) from the .proto files.
 proto: setup

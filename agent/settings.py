@@ -18,6 +18,7 @@ DEFAULT_SIM_STATE_DIR = Path("/run/vcuda-agent/sim")
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 DEFAULT_BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # the C sources (repo or image path)
 DEFAULT_METRICS_PORT = 5678  # gpu-manager's port; 9400 stays free for dcgm-exporter
+DEFAULT_STATE_DIR = Path("/run/vcuda-agent")  # freeze journal, status socket (a hostPath in the DaemonSet)
 
 
 class DeviceListStrategy(enum.StrEnum):
@@ -106,6 +107,46 @@ class BpfSettings:
     procevents_fallback_s: float = 1.0  # /proc scan period when cn_proc is unavailable
 
 
+class ActuatorMode(enum.StrEnum):
+    """How a container is paused between its duty-cycle slices (issue D)."""
+
+    AUTO = "auto"  # the cgroup freezer where its file is writable, else signals
+    FREEZER = "freezer"  # v1 freezer.state / v2 cgroup.freeze
+    SIGNALS = "signals"  # SIGSTOP/SIGCONT to the container's processes (pid + start time checked)
+
+
+class MemoryQuotaMode(enum.StrEnum):
+    """What happens when a container holds more GPU memory than its vcuda-memory (issue D)."""
+
+    KILL = "kill"  # SIGKILL the process that went over, Event GPUMemoryQuotaExceeded
+    DENY = "deny"  # BPF LSM refuses the allocation (kernels with BPF LSM active only)
+    AUDIT = "audit"  # report only
+
+
+@dataclass(frozen=True)
+class EnforcementSettings:
+    """Compute caps and memory quotas: the duty-cycle controller and the memory guard (issue D)."""
+
+    enabled: bool = True  # False: measure and report only, never freeze or kill
+    period_s: float = 0.25  # one duty cycle: thawed duty x period, frozen for the rest
+    window_s: float = 1.0  # utilization is averaged over this much of the samples' own time
+    gain: float = 0.5  # integral gain: duty change per period per unit of error (100 pp = 1.0)
+    min_duty: float = 0.02  # never below: a capped container always makes some progress
+    actuator: ActuatorMode = ActuatorMode.AUTO
+    memory_mode: MemoryQuotaMode = MemoryQuotaMode.KILL
+    memory_check_s: float = 0.2  # GPU memory is compared with the quotas this often
+    state_dir: Path = DEFAULT_STATE_DIR  # freeze journal and status socket
+    watchdog: bool = True  # a separate process thaws everything if the agent dies
+
+    @property
+    def journal_path(self) -> Path:
+        return self.state_dir / "frozen.json"
+
+    @property
+    def status_socket(self) -> Path:
+        return self.state_dir / "status.sock"
+
+
 @dataclass(frozen=True)
 class KubeSettings:
     """The Kubernetes API (pods, node, events) and kubelet's pod-resources API."""
@@ -131,6 +172,7 @@ class Settings:
     kube: KubeSettings = field(default_factory=KubeSettings)
     cgroups: CgroupSettings = field(default_factory=CgroupSettings)
     bpf: BpfSettings = field(default_factory=BpfSettings)
+    enforcement: EnforcementSettings = field(default_factory=EnforcementSettings)
 
 
 def parse_address(text: str) -> tuple[str, int]:

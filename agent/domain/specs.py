@@ -31,10 +31,21 @@ class EnforcementSpec:
     memory_quota_mib: int | None  # None for whole GPUs
     policy: Policy
     problems: tuple[str, ...] = ()  # invalid annotations replaced by the safe default
+    limit_set: bool = False  # vcuda-core-limit was given (and valid)
 
     @property
     def whole(self) -> bool:
         return self.cap is None
+
+    @property
+    def ceiling(self) -> int | None:
+        """The most it may ever use: the cap, except that burst-share without a
+        vcuda-core-limit may burst to the whole GPU. None: never throttled."""
+        if self.cap is None or self.policy is Policy.BEST_EFFORT:
+            return None
+        if self.policy is Policy.BURST_SHARE and not self.limit_set:
+            return 100
+        return self.cap
 
     @property
     def label(self) -> str:
@@ -51,6 +62,7 @@ def build_spec(item: Assignment, pod: PodInfo | None, default: Policy) -> Enforc
     annotations = pod.annotations if pod is not None else {}
     container = pod.container(item.container) if pod is not None else None
     problems: list[str] = []
+    limit_set = False
     if item.whole:
         cap: int | None = None
         quota: int | None = None
@@ -61,6 +73,7 @@ def build_spec(item: Assignment, pod: PodInfo | None, default: Policy) -> Enforc
         problems = [p for p in (limit_problem, policy_problem) if p]
         if problems:
             cap, policy = item.cores, Policy.FIXED_SHARE  # the safe default
+        limit_set = not problems and annotations.get(CORE_LIMIT) is not None
         quota = item.memory_mib
     return EnforcementSpec(
         pod_uid=item.pod_uid,
@@ -76,4 +89,5 @@ def build_spec(item: Assignment, pod: PodInfo | None, default: Policy) -> Enforc
         memory_quota_mib=quota,
         policy=policy,
         problems=tuple(problems),
+        limit_set=limit_set,
     )

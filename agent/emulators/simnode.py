@@ -22,6 +22,7 @@ def sim_agent_command(
     node_name: str = "sim-node",
     metrics_address: str | None = "127.0.0.1:0",
     kube: tuple[Path, Path] | None = None,
+    state_dir: Path | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     """``kube``: (kubeconfig, pod-resources socket) for Kubernetes mode; None: ``--no-kube``."""
@@ -32,6 +33,9 @@ def sim_agent_command(
         cmd += ["--kubeconfig", str(kube[0]), "--pod-resources-socket", str(kube[1])]
     cmd += ["--device-plugin-dir", str(plugin_dir), "--sim-state-dir", str(sim_dir)]
     cmd += ["--metrics-address", metrics_address] if metrics_address else ["--no-metrics"]
+    # Freeze journal and status socket of this node alone: agents of other tests and demos
+    # running at the same time must not thaw each other's containers at start-up.
+    cmd += ["--state-dir", str(state_dir or plugin_dir.parent / "agent-state")]
     return [*cmd, *extra]
 
 

@@ -22,6 +22,7 @@ from agent.settings import Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
+from agent.surfaces.enforcementnode import EnforcementIntegration
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.metrics.collector import AgentCollector
@@ -78,6 +79,19 @@ class NodeAgent:
         if self.host is not None and self.kube is not None:
             own = settings.cgroups.own_pod_uid
             self.host.enable_guard(GuardTargets(self.kube.pods, self.kube.ledger, self.gpus, own))
+        self.enforcement: EnforcementIntegration | None = None
+        if self.host is not None and self.kube is not None:
+            self.enforcement = EnforcementIntegration(
+                settings.enforcement,
+                node_name=settings.node_name,
+                backend=self.backend,
+                gpus=self.gpus,
+                board=self.board,
+                host=self.host,
+                kube=self.kube,
+            )
+        elif settings.use_kube:
+            log.error("no enforcement: it needs the host integration (cgroups) and the Kubernetes API")
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(AgentCollector(self))
         if self.kube is not None:
@@ -135,6 +149,8 @@ class NodeAgent:
             self.host.start(self.supervisor)
         if self.kube is not None:
             self.kube.start(self.supervisor)  # the ledger is rebuilt before kubelet can Allocate
+        if self.enforcement is not None:
+            self.enforcement.start(self.supervisor)  # thaws what a previous run left frozen first
         self.endpoint.start()
         if self.metrics is not None:
             self.metrics.start()
@@ -148,6 +164,8 @@ class NodeAgent:
         if self.metrics is not None:
             self.metrics.stop()
         self.supervisor.stop()
+        if self.enforcement is not None:
+            self.enforcement.stop()  # after its loops ended: thaw, then let the watchdog go
         if self.host is not None:
             self.host.stop()
         self.backend.close()

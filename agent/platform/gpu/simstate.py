@@ -109,6 +109,20 @@ class SimStateDir:
     def register_process(self, proc: SimProcess) -> None:
         _write_atomic(self.procs_dir / f"{proc.pid}.json", asdict(proc))
 
+    def update_memory(self, pid: int, memory_mib: int) -> SimProcess:
+        """Change the memory a registered workload declares (it grew or shrank); atomic like
+        every write here, so the backend reads the old figure or the new one."""
+        path = self.procs_dir / f"{pid}.json"
+        try:
+            raw = json.loads(path.read_text())
+            proc = SimProcess(int(raw["pid"]), int(raw["start_ticks"]), int(raw["gpu"]), memory_mib)
+        except FileNotFoundError as err:
+            raise SimulationError(f"process {pid} is not registered in {self.procs_dir}") from err
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SimulationError(f"{path} is unreadable: {err}") from err
+        self.register_process(proc)
+        return proc
+
     def unregister_process(self, pid: int) -> None:
         (self.procs_dir / f"{pid}.json").unlink(missing_ok=True)
 

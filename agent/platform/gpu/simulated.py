@@ -216,9 +216,19 @@ class SimulatedBackend:
 
     # Workloads -------------------------------------------------------------
     def launch_workload(
-        self, gpu: int, memory_mib: int, busy: float, duration_s: float | None = None
+        self,
+        gpu: int,
+        memory_mib: int,
+        busy: float,
+        duration_s: float | None = None,
+        *,
+        grow_to_mib: int | None = None,
+        grow_after_s: float = 0.0,
     ) -> subprocess.Popen[bytes]:
-        """Start ``vcuda-agent sim-workload`` for ``gpu``; it is stopped at ``close()``."""
+        """Start ``vcuda-agent sim-workload`` for ``gpu``; it is stopped at ``close()``.
+
+        With ``grow_to_mib`` the workload declares that much memory after ``grow_after_s``
+        (the CLI's --grow-to-mib / --grow-after)."""
         self._check_index(gpu)
         cmd = [
             sys.executable,
@@ -231,6 +241,8 @@ class SimulatedBackend:
         cmd += ["--gpu", str(gpu), "--memory-mib", str(memory_mib), "--busy", str(busy)]
         if duration_s is not None:
             cmd += ["--duration", str(duration_s)]
+        if grow_to_mib is not None:
+            cmd += ["--grow-to-mib", str(grow_to_mib), "--grow-after", str(grow_after_s)]
         proc = subprocess.Popen(cmd)
         self._launched.append(proc)
         return proc

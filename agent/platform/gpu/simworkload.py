@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ class WorkloadSpec:
     busy: float  # share of the core to burn, 0..1
     duration_s: float | None = None  # None: until stopped
     period_s: float = 0.05  # one busy/idle cycle
+    grow_to_mib: int | None = None  # after grow_after_s, declare this much memory instead
+    grow_after_s: float = 0.0
 
     def validate(self) -> None:
         if not 0.0 <= self.busy <= 1.0:
@@ -29,6 +32,10 @@ class WorkloadSpec:
             raise InvalidSpecError(f"--memory-mib must be >= 0, got {self.memory_mib}")
         if self.duration_s is not None and self.duration_s <= 0:
             raise InvalidSpecError(f"--duration must be > 0, got {self.duration_s}")
+        if self.grow_to_mib is not None and self.grow_to_mib < 0:
+            raise InvalidSpecError(f"--grow-to-mib must be >= 0, got {self.grow_to_mib}")
+        if self.grow_after_s < 0:
+            raise InvalidSpecError(f"--grow-after must be >= 0, got {self.grow_after_s}")
 
 
 def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> None:
@@ -45,22 +52,42 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
     except PlatformError as err:
         raise SimulationError(f"cannot read this process's start time: {err}") from err
     state.register_process(SimProcess(me.pid, me.start_ticks, spec.gpu, spec.memory_mib))
+    grow = None
+    if spec.grow_to_mib is not None:
+        grow_to = spec.grow_to_mib
+        grow = _Growth(time.monotonic() + spec.grow_after_s, lambda: state.update_memory(me.pid, grow_to))
     try:
-        _burn(spec, stop)
+        _burn(spec, stop, grow)
     finally:
         state.unregister_process(me.pid)
 
 
-def _burn(spec: WorkloadSpec, stop: threading.Event) -> None:
+class _Growth:
+    """A one-off change of the declared memory at a monotonic deadline."""
+
+    def __init__(self, at: float, apply: Callable[[], object]) -> None:
+        self.at = at
+        self._apply: Callable[[], object] | None = apply
+
+    def due(self, now: float) -> None:
+        if self._apply is not None and now >= self.at:
+            apply, self._apply = self._apply, None
+            apply()
+
+
+def _burn(spec: WorkloadSpec, stop: threading.Event, grow: _Growth | None = None) -> None:
     """Each period, use ``busy x period`` of CPU time, then sleep to the period's end.
 
     Pacing by CPU time, not wall time, keeps the share right when the process is
-    preempted mid-spin (other processes, VM steal): the spin just takes longer.
+    preempted mid-spin (other processes, VM steal): the spin just takes longer. A pending
+    growth is applied at the start of the first cycle past its deadline (within one period).
     """
     end = None if spec.duration_s is None else time.monotonic() + spec.duration_s
     busy_cpu_s = spec.period_s * spec.busy
     cycle_end = time.monotonic()
     while not stop.is_set() and (end is None or time.monotonic() < end):
+        if grow is not None:
+            grow.due(time.monotonic())
         cycle_end += spec.period_s
         cpu_start = time.process_time()
         give_up = cycle_end + spec.period_s  # a starved process must still notice stop

@@ -2,7 +2,9 @@
 against an emulated kube-apiserver (real Kubernetes JSON over HTTP) and an emulated
 kubelet (the real device plugin and pod-resources APIs), admits the example pods,
 shows what the agent published and annotated, injects a GPU fault, a kubelet
-restart and an agent crash, and stops the agent with SIGTERM."""
+restart and an agent crash, and stops the agent with SIGTERM. Then a second node runs
+pods as real processes in real cgroups to show the limits held: compute caps by policy,
+a memory quota, and the watchdog thawing everything when the agent is SIGKILLed."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from agent.emulators.simnode import sim_agent_command
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.simstate import SimStateDir
+from agent.surfaces.cli import demo_enforcement
 from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines
 
 EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
@@ -84,6 +87,8 @@ class Demo:
         finally:
             self.kubelet.stop()
             self.api.stop()
+        if code == 0:
+            demo_enforcement.run(self.workdir / "enforcement")
         return code
 
     @contextlib.contextmanager

@@ -13,10 +13,13 @@ from agent.settings import (
     DEFAULT_PLUGIN_DIR,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_SIM_STATE_DIR,
+    ActuatorMode,
     DeviceListStrategy,
+    EnforcementSettings,
     GuardMode,
+    MemoryQuotaMode,
 )
-from agent.surfaces.cli import demo, run, sim
+from agent.surfaces.cli import demo, run, sim, status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the generated BPF programs (ioctl tracer, device guard) and exit",
     )
+    _add_enforcement_options(p)
     _add_sim_state_dir(p)
     p.add_argument(
         "--sim-cores",
@@ -155,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", default="2xH100-80GB", metavar="SPEC", help="GPUs of the demo node")
     p.set_defaults(func=demo.main)
 
+    _add_sim_commands(sub, common)
+    status.add_parser(sub, common)
+    return parser
+
+
+def _add_sim_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
     p = sub.add_parser(
         "sim-workload",
         parents=[common],
@@ -165,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mib", type=int, default=0, help="GPU memory this workload declares, in MiB")
     p.add_argument("--busy", type=float, default=1.0, help="share of the GPU (its CPU core) to use, 0..1")
     p.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM/SIGINT)")
+    p.add_argument(
+        "--grow-to-mib",
+        type=int,
+        metavar="N",
+        help="after --grow-after seconds, declare N MiB of GPU memory instead (to try memory quotas)",
+    )
+    p.add_argument(
+        "--grow-after",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds before --grow-to-mib applies (default 0)",
+    )
     _add_sim_state_dir(p)
     p.set_defaults(func=sim.workload_main)
 
@@ -183,7 +208,62 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
     _add_sim_state_dir(p)
     p.set_defaults(func=sim.event_main)
-    return parser
+
+
+def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
+    defaults = EnforcementSettings()
+    g = p.add_argument_group("enforcement (compute caps, memory quotas)")
+    g.add_argument(
+        "--no-enforcement",
+        action="store_true",
+        help="measure and report only: never freeze a container or kill a process",
+    )
+    g.add_argument(
+        "--control-period",
+        type=float,
+        default=defaults.period_s,
+        metavar="S",
+        help=f"duty-cycle period in seconds (default {defaults.period_s})",
+    )
+    g.add_argument(
+        "--control-window",
+        type=float,
+        default=defaults.window_s,
+        metavar="S",
+        help=f"utilization is averaged over this many seconds of samples (default {defaults.window_s})",
+    )
+    g.add_argument(
+        "--control-gain",
+        type=float,
+        default=defaults.gain,
+        metavar="G",
+        help=f"integral gain, duty change per period per 100 pp of error (default {defaults.gain})",
+    )
+    g.add_argument(
+        "--actuator",
+        choices=[m.value for m in ActuatorMode],
+        default=defaults.actuator.value,
+        help="how a container is paused: auto (freezer where writable, else signals; default), "
+        "freezer, signals",
+    )
+    g.add_argument(
+        "--memory-quota-mode",
+        choices=[m.value for m in MemoryQuotaMode],
+        default=defaults.memory_mode.value,
+        help="over its vcuda-memory: kill the process that went over (default), deny the allocation "
+        "(BPF LSM kernels only; else kill), audit (report only)",
+    )
+    g.add_argument(
+        "--state-dir",
+        default=str(defaults.state_dir),
+        metavar="DIR",
+        help=f"freeze journal and status socket (default {defaults.state_dir}; a hostPath in the DaemonSet)",
+    )
+    g.add_argument(
+        "--no-watchdog",
+        action="store_true",
+        help="no watchdog process (it thaws every container the agent froze if the agent dies)",
+    )
 
 
 def _add_sim_state_dir(p: argparse.ArgumentParser) -> None:

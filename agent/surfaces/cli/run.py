@@ -17,13 +17,16 @@ from agent.errors import ConfigError, VcudaError
 from agent.platform.bpf.ioctl_tracer import IoctlTracer
 from agent.platform.cgroups.devices_v2 import dump_source
 from agent.settings import (
+    ActuatorMode,
     BpfSettings,
     CgroupSettings,
     DeviceListStrategy,
     DevicePluginSettings,
+    EnforcementSettings,
     GuardMode,
     HealthSettings,
     KubeSettings,
+    MemoryQuotaMode,
     MetricsSettings,
     Settings,
     SimulationSettings,
@@ -58,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             cores = tuple(sorted(parse_int_set(args.sim_cores, "--sim-cores")))
         except ConfigError as err:
             problems += err.problems
+    enforcement = enforcement_from_args(args, problems)
     if problems:
         raise ConfigError(problems)
     driver_in_agent = Path(args.driver_root_in_agent) if args.driver_root_in_agent else None
@@ -85,6 +89,31 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None,
             pod_resources_socket=Path(args.pod_resources_socket),
         ),
+        enforcement=enforcement,
+    )
+
+
+def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> EnforcementSettings:
+    for flag, value, low, high in (
+        ("--control-period", args.control_period, 0.02, 10.0),
+        ("--control-window", args.control_window, 0.1, 60.0),
+        ("--control-gain", args.control_gain, 0.01, 2.0),
+    ):
+        if not low <= value <= high:
+            problems.append(f"{flag} {value}: must be between {low} and {high}")
+    if args.control_window < args.control_period:
+        problems.append(
+            f"--control-window {args.control_window} is shorter than --control-period {args.control_period}"
+        )
+    return EnforcementSettings(
+        enabled=not args.no_enforcement,
+        period_s=args.control_period,
+        window_s=args.control_window,
+        gain=args.control_gain,
+        actuator=ActuatorMode(args.actuator),
+        memory_mode=MemoryQuotaMode(args.memory_quota_mode),
+        state_dir=Path(args.state_dir),
+        watchdog=not args.no_watchdog,
     )
 
 

@@ -18,12 +18,21 @@ log = logging.getLogger(__name__)
 
 def workload_main(args: argparse.Namespace) -> int:
     """Run a workload on a simulated GPU: pinned to the GPU's CPU core, it burns --busy
-    of that core (its "SM utilization") and declares --memory-mib of GPU memory, until
-    --duration ends or SIGTERM/SIGINT."""
+    of that core (its "SM utilization") and declares --memory-mib of GPU memory (--grow-to-mib
+    after --grow-after seconds, to test memory quotas), until --duration ends or SIGTERM/SIGINT."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: stop.set())
-    spec = WorkloadSpec(gpu=args.gpu, memory_mib=args.memory_mib, busy=args.busy, duration_s=args.duration)
+    # getattr: the growth options exist only where the parser declares them.
+    grow_after = getattr(args, "grow_after", None)
+    spec = WorkloadSpec(
+        gpu=args.gpu,
+        memory_mib=args.memory_mib,
+        busy=args.busy,
+        duration_s=args.duration,
+        grow_to_mib=getattr(args, "grow_to_mib", None),
+        grow_after_s=0.0 if grow_after is None else grow_after,
+    )
     try:
         run_workload(Path(args.sim_state_dir), spec, stop)
     except VcudaError as err:

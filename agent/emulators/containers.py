@@ -1,0 +1,110 @@
+"""A container runtime emulator for simulated nodes: real cgroups, real processes.
+
+For a pod that kubelet admitted, ``start`` creates the container's cgroup where a
+Kubernetes node would have it (the cgroupfs or systemd layout, by QoS class) under a
+cgroup v2 directory, and starts a ``vcuda-agent sim-workload`` *inside* it: the child
+joins the cgroup before it execs, so the agent's process events see it there from its
+first instruction. The agent then finds, measures and freezes it exactly as it would a
+container made by containerd.
+
+Not modelled: images, namespaces, the pause container, restarts, OOM handling, cgroup
+controllers (only the v2 directory is made; the freezer needs none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.platform.cgroups.detect import CgroupDriver
+from agent.platform.cgroups.paths import QosClass, container_names, pod_relpath
+
+
+@dataclass
+class RunningContainer:
+    key: str  # namespace/pod/container
+    cgroup: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class ContainerRuntime:
+    cgroup_root: Path  # a v2 directory standing for the node's /sys/fs/cgroup
+    sim_state_dir: Path
+    driver: CgroupDriver = CgroupDriver.CGROUPFS
+    containers: list[RunningContainer] = field(default_factory=list)
+    _made: list[Path] = field(default_factory=list)
+
+    def start(
+        self,
+        key: str,
+        *,
+        pod_uid: str,
+        qos: QosClass,
+        container_id: str,
+        gpu: int,
+        busy: float = 1.0,
+        memory_mib: int = 0,
+        extra: tuple[str, ...] = (),
+    ) -> RunningContainer:
+        """Make the container's cgroup and start a simulated GPU workload in it."""
+        pod_dir = self._mkdirs(self.cgroup_root / pod_relpath(self.driver, pod_uid, qos))
+        cgroup = self._mkdirs(pod_dir / container_names(self.driver, container_id)[0])
+        procs = cgroup / "cgroup.procs"
+        cmd = [sys.executable, "-m", "agent", "sim-workload", "--sim-state-dir", str(self.sim_state_dir)]
+        cmd += ["--gpu", str(gpu), "--busy", str(busy), "--memory-mib", str(memory_mib), *extra]
+
+        def join_cgroup() -> None:  # runs in the child between fork and exec
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        proc = subprocess.Popen(cmd, preexec_fn=join_cgroup)  # noqa: PLW1509 (no threads in the child)
+        running = RunningContainer(key, cgroup, proc)
+        self.containers.append(running)
+        return running
+
+    def stop(self) -> None:
+        """Kill every workload (thawing first: a frozen process cannot die) and remove the cgroups."""
+        for c in self.containers:
+            with contextlib.suppress(OSError):
+                (c.cgroup / "cgroup.freeze").write_text("0")
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGCONT)
+                c.proc.kill()
+            c.proc.wait(timeout=10)
+        for path in sorted(self._made, key=lambda p: len(p.parts), reverse=True):
+            _rmdir(path)
+        self.containers.clear()
+        self._made.clear()
+
+    def _mkdirs(self, path: Path) -> Path:
+        missing = [p for p in [path, *path.parents] if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir()
+            self._made.append(p)
+        return path
+
+
+def _rmdir(path: Path) -> None:
+    deadline = time.monotonic() + 5.0  # an exiting process leaves its cgroup a moment late
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)

@@ -1,0 +1,217 @@
+"""The node agent's enforcement side, built from the settings: the duty-cycle controller with
+its actuator and freeze journal, the watchdog process, the GPU memory guard, and the
+status endpoint that `vcuda-agent status` reads.
+
+Start-up order matters for safety: anything a previous run left frozen is thawed first,
+then the watchdog starts (so it exists before the first freeze), then the loops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from agent.clock import Clock, SystemClock
+from agent.control.actuators import ThrottleTarget, make_actuator
+from agent.control.enforcer import ContainerControl, Enforcer
+from agent.control.supervisor import Supervisor
+from agent.domain.dutycontrol import Gains
+from agent.domain.health import HealthBoard
+from agent.domain.specs import EnforcementSpec
+from agent.errors import VcudaError
+from agent.platform.cgroups.layout import UNIFIED
+from agent.platform.freezejournal import FreezeJournal, thaw_everything
+from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.platform.procfs import ProcFS
+from agent.platform.watchdog import WatchdogHandle, spawn_watchdog
+from agent.settings import EnforcementSettings
+from agent.surfaces.hostnode import HostIntegration
+from agent.surfaces.kubenode import KubeIntegration
+from agent.surfaces.memorynode import MemoryIntegration
+from agent.surfaces.statusserver import StatusServer
+from agent.surfaces.statusview import (
+    ActionLog,
+    ContainerStatus,
+    GpuStatus,
+    StatusDocument,
+    agent_info,
+    container_status,
+    gpu_status,
+    status_document,
+)
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+class EnforcementIntegration:
+    def __init__(
+        self,
+        settings: EnforcementSettings,
+        *,
+        node_name: str,
+        backend: GpuBackend,
+        gpus: Sequence[GpuInfo],
+        board: HealthBoard,
+        host: HostIntegration,
+        kube: KubeIntegration,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node_name = node_name
+        self._backend = backend
+        self._gpus = tuple(gpus)
+        self._board = board
+        self._host = host
+        self._kube = kube
+        self._clock = clock or SystemClock()
+        self._started = self._clock.monotonic()
+        procfs = ProcFS(host.cgroup_settings.proc_root)
+        self.journal = FreezeJournal(settings.journal_path)
+        self.actuator = make_actuator(settings.actuator, self.journal, procfs)
+        self.actions = ActionLog()
+        self.enforcer = Enforcer(
+            gpus=[g.index for g in self._gpus],
+            samples=backend,
+            specs=kube.specs,
+            owner_of=host.processes.get,
+            locate=self.locate,
+            actuator=self.actuator,
+            period_s=settings.period_s,
+            gains=Gains(settings.gain, settings.min_duty, settings.window_s, settings.period_s),
+            clock=self._clock,
+            enabled=settings.enabled,
+        )
+        self.enforcer.on_action.append(self.actions.record)
+        self.memory = MemoryIntegration(
+            settings,
+            backend=backend,
+            gpus=self._gpus,
+            host=host,
+            kube=kube,
+            actions=self.actions,
+            procfs=procfs,
+        )
+        self.watchdog: WatchdogHandle | None = None
+        self.status_server = StatusServer(settings.status_socket, self.status)
+
+    def locate(self, spec: EnforcementSpec) -> ThrottleTarget | None:
+        """The container's freezer directory: its v2 scope when there is a v2 hierarchy (the
+        v2 freezer works on hybrid nodes too), else its dir in the v1 freezer hierarchy."""
+        layout = self._host.facts.layout
+        controllers = [UNIFIED] if layout.v2_root is not None else []
+        if "freezer" in layout.v1_roots:
+            controllers.append("freezer")
+        resolver = self._host.resolver
+        for controller in controllers:
+            dirs = resolver.container_dirs(
+                spec.pod_uid, spec.qos_class or None, spec.container_id, controller
+            )
+            if dirs is not None:
+                return ThrottleTarget(spec.label, dirs.scope, dirs.leaf / "cgroup.procs")
+        return None
+
+    # Lifecycle ------------------------------------------------------------------------------
+    def start(self, supervisor: Supervisor) -> None:
+        report = thaw_everything(self.settings.journal_path)
+        if report.found:
+            log.warning("start-up: %s (left by a previous run)", report.summary())
+        if self.settings.enabled and self.settings.watchdog:
+            try:
+                self.watchdog = spawn_watchdog(self.settings.journal_path)
+            except VcudaError as err:
+                log.error("no watchdog: %s; containers frozen at a crash stay frozen until restart", err)
+        log.info(
+            "enforcement %s: period %.2f s, window %.1f s, actuator %s, memory quotas: %s",
+            "on" if self.settings.enabled else "off (measuring only)",
+            self.settings.period_s,
+            self.settings.window_s,
+            self.settings.actuator,
+            self.settings.memory_mode,
+        )
+        supervisor.spawn("enforcer", self.enforcer.run)
+        supervisor.spawn("memory-guard", self.memory.run)
+        try:
+            self.status_server.start()
+        except VcudaError as err:
+            log.error("no status endpoint: %s", err)
+
+    def stop(self) -> None:
+        """After the supervisor stopped the loops (the enforcer thawed on its way out)."""
+        self.status_server.stop()
+        self.enforcer.release_all()
+        if self.watchdog is not None:
+            self.watchdog.close()
+
+    # Status ---------------------------------------------------------------------------------
+    def watchdog_state(self) -> str:
+        if self.watchdog is None:
+            return "off"
+        return "running" if self.watchdog.alive() else "dead"
+
+    def status(self) -> StatusDocument:
+        controls = self.enforcer.controls()
+        views = self.enforcer.gpu_views()
+        memory = self.memory.usage_by_container()
+        gpus: list[GpuStatus] = []
+        for gpu in self._gpus:
+            rows = [
+                self._container_row(c, memory)
+                for c in controls
+                if c.spec.gpus and c.spec.gpus[0] == gpu.index
+            ]
+            used_mib = self.memory.gpu_used_mib(gpu.index)
+            view = views.get(gpu.index)
+            gpus.append(
+                gpu_status(
+                    index=gpu.index,
+                    uuid=gpu.uuid,
+                    model=gpu.model,
+                    healthy=self._board.is_healthy(gpu.index),
+                    memory_total_mib=gpu.memory_mib,
+                    cores_allocated=self._kube.ledger.usage(gpu.index).cores,
+                    utilization_percent=view.device_percent if view else None,
+                    memory_used_mib=used_mib,
+                    containers=rows,
+                )
+            )
+        agent = agent_info(
+            pid=os.getpid(),
+            uptime_s=self._clock.monotonic() - self._started,
+            backend=self._backend.name,
+            enforcing=self.settings.enabled,
+            actuator=self.actuator.name,
+            memory_mode=self.memory.mode,
+            period_s=self.settings.period_s,
+            watchdog=self.watchdog_state(),
+            bpf=self._host.bpf_status(),
+        )
+        return status_document(
+            node=self.node_name,
+            time=self._clock.wall(),
+            agent=agent,
+            gpus=gpus,
+            recent_actions=self.actions.snapshot(),
+        )
+
+    def _container_row(self, control: ContainerControl, memory: dict[str, int]) -> ContainerStatus:
+        spec = control.spec
+        return container_status(
+            namespace=spec.namespace,
+            pod=spec.pod,
+            container=spec.container,
+            policy=spec.policy,
+            request_cores=spec.cores,
+            whole=spec.whole,
+            cap_percent=spec.cap,
+            ceiling_percent=spec.ceiling,
+            used_percent=control.used,
+            target_percent=control.goal,
+            duty=control.state.duty,
+            frozen=control.frozen,
+            memory_used_mib=memory.get(spec.label),
+            memory_quota_mib=spec.memory_quota_mib,
+            throttled=control.throttled,
+        )

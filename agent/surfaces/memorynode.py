@@ -1,0 +1,146 @@
+"""GPU memory quotas on the node: every ``memory_check_s`` the GPU memory of each container
+(NVML per-process memory, sharpened by the ioctl tracer's allocation bytes) is compared
+with its vcuda-memory, and the memory guard acts by mode (kill, deny, audit)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from agent.clock import Clock, SystemClock
+from agent.control.memguard import MemoryGuard, MemoryView, open_deny_program, process_uses
+from agent.domain.memquota import AllocationTimes, format_mib
+from agent.domain.specs import EnforcementSpec
+from agent.errors import VcudaError
+from agent.platform.bpf.lsm import MemoryDenyProgram, probe_bpf_lsm
+from agent.platform.cgroups.paths import ContainerRef
+from agent.platform.gpu.inventory import GpuBackend, GpuInfo, ProcessMemory
+from agent.platform.procfs import ProcFS
+from agent.settings import EnforcementSettings, MemoryQuotaMode
+from agent.surfaces.hostnode import HostIntegration
+from agent.surfaces.kubenode import KubeIntegration
+from agent.surfaces.statusview import ActionLog
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+class MemoryIntegration:
+    def __init__(
+        self,
+        settings: EnforcementSettings,
+        *,
+        backend: GpuBackend,
+        gpus: Sequence[GpuInfo],
+        host: HostIntegration,
+        kube: KubeIntegration,
+        actions: ActionLog,
+        procfs: ProcFS,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self._backend = backend
+        self._gpus = tuple(gpus)
+        self._host = host
+        self._kube = kube
+        self._actions = actions
+        self._procfs = procfs
+        self._clock = clock or SystemClock()
+        mode = settings.memory_mode if settings.enabled else MemoryQuotaMode.AUDIT
+        deny = None
+        if mode is MemoryQuotaMode.DENY:
+            program = MemoryDenyProgram(source_path=host.bpf_settings.bpf_dir / "memquota_lsm.c")
+            deny = open_deny_program(program, probe_bpf_lsm())
+            if deny is None:
+                mode = MemoryQuotaMode.KILL
+        self.mode = str(mode)
+        self.guard = MemoryGuard(mode=mode, procfs=procfs, clock=self._clock, events=kube.events, deny=deny)
+        self._times = AllocationTimes()
+        self._lock = threading.Lock()
+        self._by_container: dict[str, int] = {}  # label -> MiB
+        self._by_gpu: dict[int, int] = {}
+        self._reported: set[str] = set()
+
+    def run(self, stop: threading.Event) -> None:
+        while not self._clock.sleep(self.settings.memory_check_s, stop):
+            self.check_once()
+
+    def check_once(self) -> None:
+        specs = {ContainerRef(s.pod_uid, s.container_id): s for s in self._kube.specs() if s.container_id}
+        traced, times = self._traced()
+        grouped: dict[ContainerRef, list[ProcessMemory]] = {}
+        by_gpu: dict[int, int] = {}
+        for gpu in self._gpus:
+            try:
+                memory = self._backend.process_memory(gpu.index)
+            except VcudaError as err:
+                self._report(f"cannot read GPU {gpu.index} process memory: {err}")
+                continue
+            by_gpu[gpu.index] = sum(m.used_bytes for m in memory) // MIB
+            for m in memory:
+                ref = self._owner(m.pid)
+                if ref in specs:
+                    grouped.setdefault(ref, []).append(m)
+        views = [self._view(spec, grouped.get(ref, []), traced, times) for ref, spec in specs.items()]
+        usage = {v.key: sum(p.used_bytes for p in v.processes) // MIB for v in views}
+        with self._lock:
+            self._by_container, self._by_gpu = usage, by_gpu
+        for action in self.guard.check(views):
+            detail = f"{format_mib(action.used_bytes)} used of a {format_mib(action.quota_bytes)} quota"
+            self._actions.record(action.key, action.action, detail)
+
+    def _view(
+        self,
+        spec: EnforcementSpec,
+        memory: list[ProcessMemory],
+        traced: dict[int, int] | None,
+        times: dict[int, int] | None,
+    ) -> MemoryView:
+        pids = {m.pid for m in memory}
+        if traced is not None:  # allocations NVML does not show yet belong to this container too
+            pids |= {
+                pid for pid in traced if self._owner(pid) == ContainerRef(spec.pod_uid, spec.container_id)
+            }
+        mine = {pid: traced[pid] for pid in pids if traced is not None and pid in traced}
+        uses = process_uses(memory, self._procfs, mine if traced is not None else None, times)
+        return MemoryView(spec.label, self._kube.pods.get(spec.pod_uid), spec.memory_quota_mib, uses)
+
+    def _traced(self) -> tuple[dict[int, int] | None, dict[int, int] | None]:
+        """pid -> video-memory bytes held, and pid -> last allocation time, from the tracer."""
+        tracer = self._host.tracer
+        if tracer is None:
+            return None, None
+        try:
+            snapshot = tracer.snapshot()
+        except VcudaError as err:
+            self._report(f"cannot read the ioctl tracer: {err}")
+            return None, None
+        held: dict[int, int] = {}
+        allocated: dict[int, int] = {}
+        for stats in snapshot.processes.values():
+            held[stats.pid] = held.get(stats.pid, 0) + max(0, stats.vidmem_bytes)
+            allocated[stats.pid] = allocated.get(stats.pid, 0) + stats.vidmem_bytes_allocated
+        return held, self._times.observe(allocated, time.time_ns())
+
+    def _owner(self, pid: int) -> ContainerRef | None:
+        try:
+            return self._host.processes.get(pid)
+        except VcudaError:
+            return None
+
+    def _report(self, message: str) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            log.warning("%s", message)
+
+    # Reading ----------------------------------------------------------------------------------
+    def usage_by_container(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_container)
+
+    def gpu_used_mib(self, index: int) -> int | None:
+        with self._lock:
+            return self._by_gpu.get(index)

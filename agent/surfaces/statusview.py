@@ -1,0 +1,258 @@
+"""The status document that ``vcuda-agent status`` shows: its schema and typed builders.
+
+The agent answers ``GET /status`` on its status socket (``surfaces/statusserver.py``)
+with one JSON object, schema version 1 (``SCHEMA_VERSION``). Keys are camelCase, like
+the Kubernetes objects next to them. An example::
+
+    {"version": 1, "node": "n1", "time": 1763800000.0,
+     "agent": {"pid": 1, "uptimeSeconds": 12.3, "backend": "simulated", "enforcement": "on",
+               "actuator": "freezer", "memoryMode": "kill", "periodSeconds": 0.25,
+               "watchdog": "running", "bpf": "ok"},
+     "gpus": [{"index": 0, "uuid": "GPU-...", "model": "NVIDIA H100 80GB HBM3", "health": "Healthy",
+               "utilizationPercent": 55, "memoryUsedMiB": 1024, "memoryTotalMiB": 81559,
+               "coresAllocated": 80,
+               "containers": [{"namespace": "default", "pod": "p", "container": "c",
+                               "policy": "fixed-share", "requestCores": 30, "capPercent": 30,
+                               "ceilingPercent": 30, "whole": false, "usedPercent": 29.5,
+                               "targetPercent": 30, "duty": 0.31, "frozen": false,
+                               "memoryUsedMiB": 512, "memoryQuotaMiB": 1024, "throttled": true}]}],
+     "recentActions": [{"time": 1763800000.0, "container": "default/p/c",
+                        "action": "killed pid 123", "detail": "..."}]}
+
+Fields:
+
+- ``version``: this schema's version; a reader refuses nothing but says when it is newer.
+- ``node``: the node name. ``time``: when the snapshot was taken, Unix seconds (wall clock).
+- ``agent``: ``pid``; ``uptimeSeconds``; ``backend`` (``nvml`` | ``simulated``);
+  ``enforcement`` (``on`` | ``off``: off measures only); ``actuator`` (``freezer`` |
+  ``signals`` | ``auto``: what pauses containers); ``memoryMode`` (``kill`` | ``deny`` |
+  ``audit``); ``periodSeconds`` (one duty cycle); ``watchdog`` (``running`` | ``off`` |
+  ``dead``); ``bpf`` (``ok``, ``off`` or why it is unavailable, free text).
+- ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
+  ``utilizationPercent`` (whole GPU, 0..100), ``memoryUsedMiB``, ``memoryTotalMiB``,
+  ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``.
+- ``containers[]``: ``namespace``/``pod``/``container``; ``policy`` (the container's cap
+  policy, e.g. ``fixed-share``); ``requestCores`` (vcuda-core on this GPU); ``capPercent``
+  (the cap it is held to); ``ceilingPercent`` (the most it may use when the policy lets it
+  borrow idle time); ``whole`` (a whole GPU: never capped); ``usedPercent`` (measured
+  over the control window); ``targetPercent`` (what the controller aims at now);
+  ``duty`` (share of each period it runs, 0..1); ``frozen`` (paused right now);
+  ``memoryUsedMiB``; ``memoryQuotaMiB`` (its vcuda-memory); ``throttled`` (the
+  controller is holding it below what it would use).
+- ``recentActions[]``, oldest first: ``time`` (Unix seconds), ``container``
+  (``namespace/pod/container``, or ``""`` for node-wide actions), ``action`` (short,
+  e.g. ``killed pid 123``), ``detail`` (free text).
+
+``null`` means "not known" or "does not apply": a container with no sample yet has
+``usedPercent: null``; whole-GPU containers have ``null`` cap, ceiling, target and duty;
+no vcuda-memory request gives ``memoryQuotaMiB: null``; a lost GPU reports ``null``
+utilization and memory used. Readers must accept keys they do not know (additions do
+not change the version; renames and removals do).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TypedDict
+
+from agent.clock import Clock, SystemClock
+
+SCHEMA_VERSION = 1
+
+
+class AgentInfo(TypedDict):
+    pid: int
+    uptimeSeconds: float
+    backend: str
+    enforcement: str
+    actuator: str
+    memoryMode: str
+    periodSeconds: float
+    watchdog: str
+    bpf: str
+
+
+class ContainerStatus(TypedDict):
+    namespace: str
+    pod: str
+    container: str
+    policy: str
+    requestCores: int
+    capPercent: float | None
+    ceilingPercent: float | None
+    whole: bool
+    usedPercent: float | None
+    targetPercent: float | None
+    duty: float | None
+    frozen: bool
+    memoryUsedMiB: int | None
+    memoryQuotaMiB: int | None
+    throttled: bool
+
+
+class GpuStatus(TypedDict):
+    index: int
+    uuid: str
+    model: str
+    health: str
+    utilizationPercent: float | None
+    memoryUsedMiB: int | None
+    memoryTotalMiB: int
+    coresAllocated: int
+    containers: list[ContainerStatus]
+
+
+class ActionRecord(TypedDict):
+    time: float
+    container: str
+    action: str
+    detail: str
+
+
+class StatusDocument(TypedDict):
+    version: int
+    node: str
+    time: float
+    agent: AgentInfo
+    gpus: list[GpuStatus]
+    recentActions: list[ActionRecord]
+
+
+def container_name(namespace: str, pod: str, container: str) -> str:
+    """How ``recentActions[].container`` names a container."""
+    return f"{namespace}/{pod}/{container}"
+
+
+def agent_info(
+    *,
+    pid: int,
+    uptime_s: float,
+    backend: str,
+    enforcing: bool,
+    actuator: str,
+    memory_mode: str,
+    period_s: float,
+    watchdog: str,
+    bpf: str,
+) -> AgentInfo:
+    """``actuator``/``memory_mode`` take the settings' StrEnums as they are."""
+    return AgentInfo(
+        pid=pid,
+        uptimeSeconds=round(uptime_s, 3),
+        backend=str(backend),
+        enforcement="on" if enforcing else "off",
+        actuator=str(actuator),
+        memoryMode=str(memory_mode),
+        periodSeconds=period_s,
+        watchdog=str(watchdog),
+        bpf=str(bpf),
+    )
+
+
+def container_status(
+    *,
+    namespace: str,
+    pod: str,
+    container: str,
+    policy: str,
+    request_cores: int,
+    whole: bool = False,
+    cap_percent: float | None = None,
+    ceiling_percent: float | None = None,
+    used_percent: float | None = None,
+    target_percent: float | None = None,
+    duty: float | None = None,
+    frozen: bool = False,
+    memory_used_mib: int | None = None,
+    memory_quota_mib: int | None = None,
+    throttled: bool = False,
+) -> ContainerStatus:
+    """A container on one GPU; for ``whole`` GPUs the control fields are forced to null."""
+    if whole:
+        cap_percent = ceiling_percent = target_percent = duty = None
+    return ContainerStatus(
+        namespace=namespace,
+        pod=pod,
+        container=container,
+        policy=str(policy),
+        requestCores=request_cores,
+        capPercent=cap_percent,
+        ceilingPercent=ceiling_percent,
+        whole=whole,
+        usedPercent=None if used_percent is None else round(used_percent, 2),
+        targetPercent=None if target_percent is None else round(target_percent, 2),
+        duty=None if duty is None else round(duty, 4),
+        frozen=frozen,
+        memoryUsedMiB=memory_used_mib,
+        memoryQuotaMiB=memory_quota_mib,
+        throttled=throttled,
+    )
+
+
+def gpu_status(
+    *,
+    index: int,
+    uuid: str,
+    model: str,
+    healthy: bool,
+    memory_total_mib: int,
+    cores_allocated: int,
+    utilization_percent: float | None = None,
+    memory_used_mib: int | None = None,
+    containers: list[ContainerStatus] | None = None,
+) -> GpuStatus:
+    return GpuStatus(
+        index=index,
+        uuid=uuid,
+        model=model,
+        health="Healthy" if healthy else "Unhealthy",
+        utilizationPercent=utilization_percent,
+        memoryUsedMiB=memory_used_mib,
+        memoryTotalMiB=memory_total_mib,
+        coresAllocated=cores_allocated,
+        containers=list(containers or []),
+    )
+
+
+def action_record(time: float, container: str, action: str, detail: str = "") -> ActionRecord:
+    return ActionRecord(time=time, container=container, action=action, detail=detail)
+
+
+def status_document(
+    *,
+    node: str,
+    time: float,
+    agent: AgentInfo,
+    gpus: list[GpuStatus],
+    recent_actions: list[ActionRecord] | None = None,
+) -> StatusDocument:
+    """The whole document, stamped with ``SCHEMA_VERSION``; GPUs sorted by index."""
+    return StatusDocument(
+        version=SCHEMA_VERSION,
+        node=node,
+        time=time,
+        agent=agent,
+        gpus=sorted(gpus, key=lambda g: g["index"]),
+        recentActions=list(recent_actions or []),
+    )
+
+
+class ActionLog:
+    """The last ``limit`` actions, for ``recentActions``; safe to record from any thread."""
+
+    def __init__(self, limit: int = 50, clock: Clock | None = None) -> None:
+        self._clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._records: deque[ActionRecord] = deque(maxlen=limit)
+
+    def record(self, container: str, action: str, detail: str = "") -> ActionRecord:
+        entry = action_record(self._clock.wall(), container, action, detail)
+        with self._lock:
+            self._records.append(entry)
+        return entry
+
+    def snapshot(self) -> list[ActionRecord]:
+        """Oldest first; copies, so the caller may serialize them while others record."""
+        with self._lock:
+            return [ActionRecord(**r) for r in self._records]

@@ -1,0 +1,146 @@
+"""Compute caps on a simulated GPU with real containers: a real agent process measures real
+workloads (pinned to the GPU's CPU core) and freezes their real cgroups.
+
+Tolerances are the issue's (±3 pp over 20 s after 3 s of settling) on this noisy 2-core
+machine; what a container got is read from its CPU time, the quantity the simulated GPU
+reports.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.domain.annotations import CORE_LIMIT, POLICY
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, frozen, utilization, wait_for
+from agent.surfaces.statusclient import fetch_status
+from tests.integration.cgroup_trees import real_layout
+
+SETTLE_S = 3.0
+MEASURE_S = 20.0
+
+
+@pytest.fixture
+def rig(short_dir: Path) -> Iterator[EnforcedNode]:
+    real_layout()  # skips, with the reason, where there are no cgroups to make
+    with enforced_node(short_dir, agent_args=("--device-guard", "off", "--no-ioctl-tracing")) as node:
+        yield node
+
+
+def agent_status(node: EnforcedNode) -> dict[str, Any]:
+    return fetch_status(node.state_dir / "status.sock")
+
+
+@pytest.mark.parametrize("cap", [30, 50, 80])
+def test_fixed_share_holds_its_cap(rig: EnforcedNode, cap: int) -> None:
+    box = rig.run_pod("capped", cap)
+    time.sleep(SETTLE_S)
+    (used,) = utilization([box], MEASURE_S)
+    assert used == pytest.approx(cap, abs=3), f"cap {cap}: used {used:.1f}%"
+
+
+def test_two_fixed_share_neighbours_each_hold_their_cap(rig: EnforcedNode) -> None:
+    small = rig.run_pod("small", 30)
+    large = rig.run_pod("large", 60)
+    time.sleep(SETTLE_S)
+    used_small, used_large = utilization([small, large], MEASURE_S)
+    assert used_small == pytest.approx(30, abs=3)
+    assert used_large == pytest.approx(60, abs=3)
+
+
+def test_burst_share_borrows_idle_time_and_gives_it_back(rig: EnforcedNode) -> None:
+    first = rig.run_pod("first", 30, annotations={POLICY: "burst-share"})
+    time.sleep(SETTLE_S)
+    (alone,) = utilization([first], 4)
+    assert alone >= 90
+    second = rig.run_pod("second", 50, annotations={POLICY: "burst-share"})
+    time.sleep(3.0)
+    used_first, used_second = utilization([first, second], 6)
+    assert used_first <= 33
+    assert used_second >= 47
+
+
+@pytest.mark.parametrize(
+    ("cores", "annotations"), [(30, {POLICY: "best-effort"}), (100, {})], ids=["best-effort", "whole-gpu"]
+)
+def test_best_effort_and_whole_gpus_are_never_frozen(
+    rig: EnforcedNode, cores: int, annotations: dict[str, str]
+) -> None:
+    box = rig.run_pod("free", cores, annotations=annotations)
+    seen_frozen = False
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        seen_frozen = seen_frozen or frozen(box.cgroup)
+        time.sleep(0.01)
+    assert not seen_frozen
+    (used,) = utilization([box], 3)
+    assert used >= 90
+    doc = agent_status(rig)
+    (row,) = doc["gpus"][0]["containers"]
+    assert row["throttled"] is False and row["frozen"] is False
+
+
+def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
+    rig.run_pod("shown", 40, annotations={CORE_LIMIT: "40"})
+    time.sleep(SETTLE_S)
+    doc = agent_status(rig)
+    (row,) = doc["gpus"][0]["containers"]
+    assert (row["pod"], row["policy"], row["capPercent"], row["throttled"]) == (
+        "shown",
+        "fixed-share",
+        40,
+        True,
+    )
+    assert 0.2 < row["duty"] < 0.6
+    assert any(
+        a["action"] == "throttled" and a["container"] == "default/shown/c" for a in doc["recentActions"]
+    )
+
+
+def test_sigkilled_agent_leaves_nothing_frozen_and_a_restart_resumes(rig: EnforcedNode) -> None:
+    boxes = [rig.run_pod(f"held-{i}", 20) for i in range(3)]
+    wait_for(lambda: any(frozen(b.cgroup) for b in boxes), 5, "a container frozen by the duty cycle")
+    # Kill the agent at a moment when at least one container is frozen.
+    wait_for(lambda: sum(frozen(b.cgroup) for b in boxes) >= 2, 5, "two containers frozen at once")
+    rig.agent.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    rig.agent.wait()
+    wait_for(lambda: not any(frozen(b.cgroup) for b in boxes), 1.0, "every container thawed")
+    assert time.monotonic() - killed <= 1.0
+    used = utilization(boxes, 2)
+    assert sum(used) >= 90, f"unthrottled, the three share the core: {used}"
+    rig.start_agent()
+    time.sleep(SETTLE_S + 2)
+    used = utilization(boxes, 6)
+    assert all(u == pytest.approx(20, abs=4) for u in used), used
+
+
+def test_a_container_over_its_memory_quota_loses_the_process_that_went_over(rig: EnforcedNode) -> None:
+    neighbour = rig.run_pod("neighbour", 20, memory_mib=2048, busy=0.2, workload_mib=1500)
+    grower = rig.run_pod(
+        "grower",
+        20,
+        memory_mib=1024,
+        busy=0.2,
+        workload_mib=800,
+        extra=("--grow-to-mib", "1500", "--grow-after", "2"),
+    )
+    record = rig.runtime.sim_state_dir / "procs" / f"{grower.pid}.json"
+    wait_for(lambda: '"memory_mib": 1500' in record.read_text(), 10, "the workload grew to 1500 MiB")
+    grew = time.monotonic()
+    wait_for(lambda: grower.proc.poll() is not None, 1.0, "the grower killed")
+    assert time.monotonic() - grew <= 1.0
+    assert grower.proc.returncode == -signal.SIGKILL
+    assert neighbour.proc.poll() is None
+    events = wait_for(
+        lambda: [e for e in rig.api.events() if e.get("reason") == "GPUMemoryQuotaExceeded"],
+        5,
+        "the Event",
+    )
+    assert events[0]["involvedObject"]["name"] == "grower"
+    assert "1024 MiB" in events[0]["message"]
