@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.errors import PlatformError, ProcessGoneError
-from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, freezer_file, set_frozen
+from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, OpenFreezers, freezer_file
 from agent.platform.freezejournal import FreezeJournal
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.procsignal import SignalOutcome, signal_identity
@@ -68,6 +68,7 @@ class FreezerActuator:
         self._journal = journal
         self._lock = threading.Lock()
         self._journaled: set[Path] = set()  # dirs this actuator put in the journal
+        self._files = OpenFreezers()
 
     def freeze(self, target: ThrottleTarget) -> None:
         cgroup_dir = _cgroup_dir(target)
@@ -76,7 +77,7 @@ class FreezerActuator:
                 self._journal.add_cgroup(cgroup_dir)  # before the first freeze, always
                 self._journaled.add(cgroup_dir)
             try:
-                set_frozen(cgroup_dir, True)
+                self._files.set(cgroup_dir, True)
             except CgroupGoneError:
                 self._forget(cgroup_dir)
                 raise
@@ -108,7 +109,7 @@ class FreezerActuator:
 
     def _thaw(self, cgroup_dir: Path, key: str) -> None:
         try:
-            set_frozen(cgroup_dir, False)
+            self._files.set(cgroup_dir, False)
         except CgroupGoneError:
             log.debug("%s: cgroup %s is gone, nothing to thaw", key, cgroup_dir)
             self._forget(cgroup_dir)
@@ -116,6 +117,7 @@ class FreezerActuator:
     def _forget(self, cgroup_dir: Path) -> None:
         self._journal.remove_cgroup(cgroup_dir)
         self._journaled.discard(cgroup_dir)
+        self._files.close(cgroup_dir)
 
 
 class SignalActuator:

@@ -34,6 +34,7 @@ from agent.platform.gpu.inventory import ProcessSample
 log = logging.getLogger(__name__)
 
 FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
+FREEZE_SLOT_S = 0.004  # freezes due this close together share one wake-up
 
 
 class SampleSource(Protocol):
@@ -42,12 +43,18 @@ class SampleSource(Protocol):
     def device_utilization(self, index: int) -> int: ...
 
 
+def container_key(pod_uid: str, container_id: str) -> str:
+    """The loop's key for a container: a string, whose hash Python caches (a dataclass's
+    is recomputed on every lookup, and the loop does thousands per period)."""
+    return f"{pod_uid}/{container_id}"
+
+
 @dataclass
 class ContainerControl:
     """What the loop knows about one GPU container (also what status and metrics show)."""
 
     spec: EnforcementSpec
-    ref: ContainerRef
+    key: str
     state: DutyState
     target: ThrottleTarget | None = None
     used: float = 0.0
@@ -102,10 +109,10 @@ class Enforcer:
         self.gains = gains or Gains(period_s=period_s)
         self._clock = clock or SystemClock()
         self.enabled = enabled
-        self._estimators = {g: GpuUsageEstimator[ContainerRef](self.gains.window_s) for g in self._gpus}
+        self._estimators = {g: GpuUsageEstimator[str](self.gains.window_s) for g in self._gpus}
         self._since = dict.fromkeys(self._gpus, 0)
         self._seen_us: dict[int, int | None] = {}
-        self._controls: dict[ContainerRef, ContainerControl] = {}
+        self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
         self._reported: set[tuple[int, str]] = set()
@@ -141,16 +148,22 @@ class Enforcer:
         del self.stats.durations[:-1000]
         if not self.enabled:
             return
-        for control in sorted(throttled, key=lambda c: c.state.duty):
-            freeze_at = start + control.state.duty * self.period_s
-            wait = freeze_at - self._clock.monotonic()
+        pending = sorted(throttled, key=lambda c: c.state.duty)
+        i = 0
+        while i < len(pending):
+            wait = start + pending[i].state.duty * self.period_s - self._clock.monotonic()
             if wait > 0 and self._clock.sleep(wait, stop):
                 return  # stopping: run()'s finally thaws
-            self._freeze(control)
+            # Everything due within the next slot goes in this wake-up: one wake-up per
+            # distinct duty, not per container.
+            due = self._clock.monotonic() + FREEZE_SLOT_S
+            while i < len(pending) and start + pending[i].state.duty * self.period_s <= due:
+                self._freeze(pending[i])
+                i += 1
 
     # Measuring --------------------------------------------------------------------------------
     def _measure(self) -> None:
-        owners: dict[int, ContainerRef | None] = {}
+        owners: dict[int, str | None] = {}
         now = self._clock.monotonic()
         for gpu in self._gpus:
             estimator = self._estimators[gpu]
@@ -171,34 +184,41 @@ class Enforcer:
             estimator.add_samples(rows)
             estimator.add_device(now, float(device))
 
-    def _owner(self, pid: int) -> ContainerRef | None:
+    def _owner(self, pid: int) -> str | None:
         try:
-            return self._owner_of(pid)
+            ref = self._owner_of(pid)
         except VcudaError as err:
             log.debug("pid %d: %s", pid, err)
             return None
+        return None if ref is None else container_key(ref.pod_uid, ref.container_id)
 
     # Controlling ------------------------------------------------------------------------------
     def _control(self, start: float) -> list[ContainerControl]:
-        specs = {ContainerRef(s.pod_uid, s.container_id): s for s in self._specs() if s.container_id}
+        by_gpu: dict[int, dict[str, EnforcementSpec]] = {gpu: {} for gpu in self._gpus}
+        for spec in self._specs():
+            if spec.container_id and spec.gpus and spec.gpus[0] in by_gpu:
+                by_gpu[spec.gpus[0]][container_key(spec.pod_uid, spec.container_id)] = spec
         wall = self._clock.wall()
         throttled: list[ContainerControl] = []
         with self._lock:
-            for ref in self._controls.keys() - specs.keys():
-                self._drop(self._controls.pop(ref))
-            for gpu in self._gpus:
-                estimate = self._estimators[gpu].estimate(wall)
-                self._views[gpu] = GpuView(gpu, self._estimators[gpu].device_mean(), estimate.source)
-                on_gpu = [(ref, s) for ref, s in specs.items() if s.gpus and s.gpus[0] == gpu]
-                members = [self._member(ref, spec, estimate.by_key.get(ref, 0.0)) for ref, spec in on_gpu]
+            current = {key for specs in by_gpu.values() for key in specs}
+            for key in self._controls.keys() - current:
+                self._drop(self._controls.pop(key))
+            for gpu, on_gpu in by_gpu.items():
+                estimator = self._estimators[gpu]
+                estimate = estimator.estimate(wall)
+                self._views[gpu] = GpuView(gpu, estimator.device_mean(), estimate.source)
+                members = [
+                    self._member(key, spec, estimate.by_key.get(key, 0.0)) for key, spec in on_gpu.items()
+                ]
                 goals = targets(members)
-                fresh = self._estimators[gpu].newest_us != self._seen_us.get(gpu)
-                self._seen_us[gpu] = self._estimators[gpu].newest_us
+                fresh = estimator.newest_us != self._seen_us.get(gpu)
+                self._seen_us[gpu] = estimator.newest_us
                 age = estimate.newest_sample_age_s or 0.0
-                for ref, spec in on_gpu:
-                    control = self._controls[ref]
+                for key, spec in on_gpu.items():
+                    control = self._controls[key]
                     control.spec = spec
-                    control.goal = goals[ref]
+                    control.goal = goals[key]
                     if fresh or control.goal is None:  # no new sample: nothing new to act on
                         next_duty(control.state, control.used, control.goal, start, self.gains, age_s=age)
                     if control.goal is None or control.state.duty >= FULL_DUTY:
@@ -208,15 +228,15 @@ class Enforcer:
                         self._mark(control, True)
         return throttled
 
-    def _member(self, ref: ContainerRef, spec: EnforcementSpec, used: float) -> Member[ContainerRef]:
-        control = self._controls.get(ref)
+    def _member(self, key: str, spec: EnforcementSpec, used: float) -> Member[str]:
+        control = self._controls.get(key)
         if control is None:
             ceiling = spec.ceiling
             # Start near the answer (a busy workload at its cap) rather than at full speed.
             first = 1.0 if ceiling is None else max(self.gains.min_duty, min(1.0, ceiling / 100))
-            control = self._controls[ref] = ContainerControl(spec, ref, DutyState(duty=first))
+            control = self._controls[key] = ContainerControl(spec, key, DutyState(duty=first))
         control.used = used
-        return Member(ref, spec.policy, spec.cores, spec.cap, spec.ceiling, used)
+        return Member(key, spec.policy, spec.cores, spec.cap, spec.ceiling, used)
 
     def _ensure_target(self, control: ContainerControl) -> bool:
         if control.target is None:
@@ -284,7 +304,7 @@ class Enforcer:
         self._release(control)
         for gpu in control.spec.gpus:
             if gpu in self._estimators:
-                self._estimators[gpu].forget(control.ref)
+                self._estimators[gpu].forget(control.key)
 
     def release_all(self) -> None:
         """Thaw everything (stop, or the loop died)."""

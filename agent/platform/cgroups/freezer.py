@@ -65,6 +65,51 @@ def set_frozen(cgroup_dir: Path, frozen: bool) -> None:
         raise FreezerError(f"cgroup {cgroup_dir} has neither {V2_FILE} nor {V1_FILE}") from err
 
 
+class OpenFreezers:
+    """Freezer files kept open, one per cgroup: a throttled container is frozen and thawed
+    several times a second, and the path lookup of each open() was most of a write's cost
+    (bench/controller_cost.py). A removed cgroup fails the next write with ENODEV, which
+    becomes CgroupGoneError as with set_frozen. Not thread-safe: the owner serialises."""
+
+    def __init__(self) -> None:
+        self._open: dict[Path, tuple[int, Path, bytes, bytes]] = {}
+
+    def set(self, cgroup_dir: Path, frozen: bool) -> None:
+        entry = self._open.get(cgroup_dir)
+        if entry is None:
+            entry = self._open[cgroup_dir] = _open_freezer(cgroup_dir)
+        fd, path, freeze, thaw = entry
+        data = freeze if frozen else thaw
+        try:
+            os.pwrite(fd, data, 0)
+        except OSError as err:
+            self.close(cgroup_dir)
+            raise _translate(path, f"write {data.decode()!r} to", err) from err
+
+    def close(self, cgroup_dir: Path) -> None:
+        entry = self._open.pop(cgroup_dir, None)
+        if entry is not None:
+            os.close(entry[0])
+
+    def close_all(self) -> None:
+        for cgroup_dir in list(self._open):
+            self.close(cgroup_dir)
+
+
+def _open_freezer(cgroup_dir: Path) -> tuple[int, Path, bytes, bytes]:
+    for name, freeze, thaw in ((V2_FILE, b"1", b"0"), (V1_FILE, b"FROZEN", b"THAWED")):
+        path = cgroup_dir / name
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC), path, freeze, thaw
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise _translate(path, "open", err) from err
+    if not cgroup_dir.is_dir():
+        raise CgroupGoneError(f"cgroup {cgroup_dir} is gone")
+    raise FreezerError(f"cgroup {cgroup_dir} has neither {V2_FILE} nor {V1_FILE}")
+
+
 def is_frozen(cgroup_dir: Path) -> bool:
     """Whether ``cgroup_dir`` is frozen or on its way to frozen, by its own request or an ancestor's.
 
