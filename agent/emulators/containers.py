@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,13 +57,17 @@ class ContainerRuntime:
         busy: float = 1.0,
         memory_mib: int = 0,
         extra: tuple[str, ...] = (),
+        command: Sequence[str] | None = None,
     ) -> RunningContainer:
-        """Make the container's cgroup and start a simulated GPU workload in it."""
+        """Make the container's cgroup and start a simulated GPU workload in it (or
+        ``command``, e.g. a CUDA program on a real GPU)."""
         pod_dir = self._mkdirs(self.cgroup_root / pod_relpath(self.driver, pod_uid, qos))
         cgroup = self._mkdirs(pod_dir / container_names(self.driver, container_id)[0])
         procs = cgroup / "cgroup.procs"
         cmd = [sys.executable, "-m", "agent", "sim-workload", "--sim-state-dir", str(self.sim_state_dir)]
         cmd += ["--gpu", str(gpu), "--busy", str(busy), "--memory-mib", str(memory_mib), *extra]
+        if command is not None:
+            cmd = list(command)
 
         def join_cgroup() -> None:  # runs in the child between fork and exec
             with open(procs, "w") as f:

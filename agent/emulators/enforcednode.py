@@ -90,7 +90,7 @@ class EnforcedNode:
     node: EmulatedNode
     runtime: ContainerRuntime
     cgroup_root: Path
-    spec: str
+    spec: str | None  # None: real GPUs (NVML)
     agent_args: tuple[str, ...]
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -116,8 +116,18 @@ class EnforcedNode:
         with (self.workdir / f"agent-{len(self.agents)}.log").open("wb") as log:
             agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.agents.append(agent)
-        self.kubelet.wait_for_plugin(timeout_s=60)
+        deadline = time.monotonic() + 60
+        while not self.kubelet.wait_for(lambda: bool(self._plugin_ready()), 0.2):
+            if agent.poll() is not None:
+                tail = "\n".join(self.agent_log().splitlines()[-5:])
+                raise PlatformError(f"the agent exited with {agent.returncode} before registering:\n{tail}")
+            if time.monotonic() > deadline:
+                raise PlatformError("the agent did not register with kubelet within 60 s")
         return agent
+
+    def _plugin_ready(self) -> bool:
+        plugin = self.kubelet.plugins.get("nvidia.com/vcuda-core")
+        return plugin is not None and bool(plugin.updates)
 
     def agent_log(self) -> str:
         return (self.workdir / f"agent-{len(self.agents) - 1}.log").read_text(errors="replace")
@@ -165,10 +175,11 @@ class EnforcedNode:
 
 @contextlib.contextmanager
 def enforced_node(
-    workdir: Path, spec: str = "1xH100-80GB", *, sim_cores: str = "1", agent_args: tuple[str, ...] = ()
+    workdir: Path, spec: str | None = "1xH100-80GB", *, sim_cores: str = "1", agent_args: tuple[str, ...] = ()
 ) -> Iterator[EnforcedNode]:
-    """The node, its agent started; everything stopped and removed on exit. ``sim_cores``:
-    the CPU cores backing the GPUs (on a 2-core machine keep core 0 for the agent)."""
+    """The node, its agent started; everything stopped and removed on exit. ``spec`` None:
+    the machine's real GPUs through NVML (bench/gpu_enforcement.py). ``sim_cores``: the CPU
+    cores backing simulated GPUs (on a 2-core machine keep core 0 for the agent)."""
     layout = detect_layout()
     if layout.v2_root is None:
         raise PlatformError("the enforced simulated node needs a cgroup v2 hierarchy (pure v2 or hybrid)")
@@ -177,7 +188,9 @@ def enforced_node(
     workdir.mkdir(parents=True, exist_ok=True)
     kubelet_config = workdir / "kubelet-config.yaml"
     kubelet_config.write_text("cgroupDriver: cgroupfs\n")
-    args = ("--cgroup-root", str(root), "--kubelet-config", str(kubelet_config), "--sim-cores", sim_cores)
+    args: tuple[str, ...] = ("--cgroup-root", str(root), "--kubelet-config", str(kubelet_config))
+    if spec is not None:
+        args += ("--sim-cores", sim_cores)
     api = FakeApiServer(bookmark_interval_s=0.5)
     api.start()
     api.create_node(NODE, labels={"nvidia-device-enable": "enable"})

@@ -15,7 +15,7 @@ from agent.emulators.kubelet import KubeletEmulator
 
 
 def sim_agent_command(
-    spec: str,
+    spec: str | None,
     plugin_dir: Path,
     sim_dir: Path,
     *,
@@ -25,8 +25,11 @@ def sim_agent_command(
     state_dir: Path | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """``kube``: (kubeconfig, pod-resources socket) for Kubernetes mode; None: ``--no-kube``."""
-    cmd = [sys.executable, "-m", "agent", "run", "--simulate", spec, "--node-name", node_name]
+    """``spec`` None: the real GPUs through NVML. ``kube``: (kubeconfig, pod-resources
+    socket) for Kubernetes mode; None: ``--no-kube``."""
+    cmd = [sys.executable, "-m", "agent", "run", "--node-name", node_name]
+    if spec is not None:
+        cmd += ["--simulate", spec]
     if kube is None:
         cmd.append("--no-kube")
     else:

@@ -1,0 +1,141 @@
+"""Compute-cap accuracy on a real NVIDIA GPU: real NVML, real freezer, a CUDA matmul loop per
+container. The same scenarios and table as bench/enforcement.py; CI does not run it.
+
+Each scenario starts the agent on the machine's GPUs (no ``--simulate``) in Kubernetes
+mode against the emulated API server and kubelet, admits the pods through the real device
+plugin, and starts each container's workload (``python -c <matmul loop>`` with PyTorch) in
+its own cgroup v2 directory, with ``CUDA_VISIBLE_DEVICES`` set to the GPU kubelet gave it.
+What each container got is read from NVML's per-process samples (``process_samples``),
+turned into time-weighted utilization by the agent's own estimator over 0.5 s windows.
+
+Needs: root, an NVIDIA driver, ``pip install torch`` in the venv (PyTorch with CUDA).
+
+    sudo .venv/bin/python bench/gpu_enforcement.py [--seconds 23] [--settle 3]
+
+Last line: ``RESULT max_abs_error_pp=... max_settle_s=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from enforcement import SCENARIOS, WINDOW_S, Box, Outcome, percentile, settle_time
+
+from agent.domain.annotations import POLICY
+from agent.domain.usage import GpuUsageEstimator
+from agent.emulators.cluster import container_id
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, pod_manifest, wait_for
+from agent.platform.cgroups.paths import QosClass
+from agent.platform.gpu.nvml import open_nvml_backend
+
+# Short kernels back to back, each waited for: the pattern the duty cycle follows closely.
+MATMUL = """
+import torch
+a = torch.randn(4096, 4096, device="cuda")
+b = torch.randn(4096, 4096, device="cuda")
+while True:
+    c = a @ b
+    torch.cuda.synchronize()
+"""
+
+
+def start_workload(node: EnforcedNode, name: str, box: Box) -> tuple[int, int]:
+    """(pid, GPU index) of the container's CUDA workload."""
+    admission = node.node.run_pod(pod_manifest(name, box.cores, 2048, {POLICY: box.policy}))
+    pod = node.api.pod("default", name)
+    assert pod is not None
+    uuid = admission.containers[0].response.envs["VCUDA_GPU_UUIDS"].split(",")[0]
+    running = node.runtime.start(
+        f"default/{name}/c",
+        pod_uid=admission.pod.uid,
+        qos=QosClass(pod["status"]["qosClass"]),
+        container_id=container_id(admission.pod.uid, "c"),
+        gpu=0,
+        command=[sys.executable, "-c", f"import os; os.environ['CUDA_VISIBLE_DEVICES'] = '{uuid}'\n{MATMUL}"],
+    )
+    backend = open_nvml_backend()
+    try:
+        index = next(g.index for g in backend.gpus() if g.uuid == uuid)
+        wait_for(
+            lambda: any(p.pid == running.pid for p in backend.process_memory(index)), 60, f"{name} on the GPU"
+        )
+    finally:
+        backend.close()
+    return running.pid, index
+
+
+def sample(pids: list[tuple[int, int]], seconds: float) -> list[list[float]]:
+    """Per container, its NVML utilization in each WINDOW_S window."""
+    backend = open_nvml_backend()
+    estimators = {index: GpuUsageEstimator[int](window_s=WINDOW_S) for _, index in pids}
+    since = dict.fromkeys(estimators, 0)
+    series: list[list[float]] = [[] for _ in pids]
+    stop = threading.Event()
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            stop.wait(WINDOW_S)
+            for index, estimator in estimators.items():
+                samples = backend.process_samples(index, since[index])
+                if samples:
+                    since[index] = max(s.timestamp_us for s in samples)
+                estimator.add_samples((s.pid, s.timestamp_us, float(s.sm_util)) for s in samples)
+            for i, (pid, index) in enumerate(pids):
+                series[i].append(estimators[index].estimate(time.time()).by_key.get(pid, 0.0))
+    finally:
+        backend.close()
+    return series
+
+
+def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, workdir: Path) -> list[Outcome]:
+    with enforced_node(workdir, None, agent_args=("--log-level", "WARNING")) as node:
+        pids = [start_workload(node, f"pod-{b.name}", b) for b in boxes]
+        series = sample(pids, seconds)
+    outcomes = []
+    skip = int(settle / WINDOW_S)
+    for box, windows in zip(boxes, series, strict=True):
+        after = windows[skip:]
+        mean = statistics.fmean(after)
+        settled = settle_time(windows, box.target)
+        row = (
+            f"| {name} | {box.name}: {box.policy} {box.cores} | {box.target:.0f} | {mean:.1f} | "
+            f"{percentile(after, 5):.1f} | {percentile(after, 95):.1f} | {mean - box.target:+.1f} | "
+            f"{settled:.1f} |"
+        )
+        outcomes.append(Outcome(row, abs(mean - box.target), settled))
+    return outcomes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=23.0)
+    parser.add_argument("--settle", type=float, default=3.0)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="vc-gpu-enf-", dir="/tmp"))
+    print("| scenario | container | target % | mean % | p5 % | p95 % | error pp | settle s |")
+    print("|---|---|---|---|---|---|---|---|")
+    errors: list[float] = []
+    settles: list[float] = []
+    try:
+        for i, (name, boxes) in enumerate(SCENARIOS):
+            for outcome in run_scenario(name, boxes, args.seconds, args.settle, workdir / str(i)):
+                print(outcome.row, flush=True)
+                errors.append(outcome.error_pp)
+                settles.append(outcome.settle_s)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"RESULT max_abs_error_pp={max(errors):.1f} max_settle_s={max(settles):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
