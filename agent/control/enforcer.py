@@ -266,7 +266,12 @@ class Enforcer:
         try:
             self.actuator.thaw(control.target)
         except VcudaError as err:
-            self._actuator_failed(control, "thaw", err)
+            # Still frozen as far as we know: keep the target so the next period (or
+            # release_all, or the watchdog from the journal) tries again.
+            self.stats.actuator_errors += 1
+            control.problem = f"thaw failed: {err}"
+            log.error("%s: thaw failed, will retry: %s", control.spec.label, err)
+            return
         control.frozen = False
         control.frozen_s += self._clock.monotonic() - control.frozen_at
 

@@ -8,6 +8,7 @@ reports.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -144,3 +145,12 @@ def test_a_container_over_its_memory_quota_loses_the_process_that_went_over(rig:
     )
     assert events[0]["involvedObject"]["name"] == "grower"
     assert "1024 MiB" in events[0]["message"]
+
+
+def test_sigterm_thaws_everything_before_the_agent_exits(rig: EnforcedNode) -> None:
+    boxes = [rig.run_pod(f"held-{i}", 20) for i in range(2)]
+    wait_for(lambda: any(frozen(b.cgroup) for b in boxes), 5, "a container frozen by the duty cycle")
+    assert rig.stop_agent(signal.SIGTERM) == 0
+    assert not any(frozen(b.cgroup) for b in boxes)  # at exit, not "soon after": no watchdog involved
+    journal = json.loads((rig.state_dir / "frozen.json").read_text())
+    assert (journal["cgroups"], journal["processes"]) == ([], [])

@@ -280,20 +280,14 @@ def test_cli_permission_denied_for_non_root(serve: Callable[..., StatusServer], 
     """The 0660 socket refuses an unprivileged user (nobody), with a message, not a traceback."""
     serve()
     os.chmod(sock.parent.parent, 0o755)  # short_dir is 0700: let nobody reach the socket itself
+    # The child imports as root (the checkout may sit in a directory only root can read,
+    # like a fresh `mktemp -d` clone), then becomes nobody before it connects.
     code = (
-        "import argparse, sys; from agent.surfaces.cli import status; "
+        "import argparse, os, sys; from agent.surfaces.cli import status; "
+        "os.setgroups([]); os.setgid(65534); os.setuid(65534); "
         f"sys.exit(status.main(argparse.Namespace(socket={str(sock)!r}, json=False, watch=None)))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        user=65534,
-        group=65534,
-        extra_groups=[],
-        timeout=30,
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1, proc.stderr
     assert f"permission denied on {sock}" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -11,6 +11,7 @@ from agent.control.actuators import ThrottleTarget
 from agent.control.enforcer import Enforcer
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
+from agent.errors import PlatformError
 from tests.unit.enforcer_plant import ModelGpu
 
 PERIOD = 0.25
@@ -158,3 +159,26 @@ def test_a_container_whose_spec_goes_is_released() -> None:
     rig.run_for(1)
     assert not rig.gpu.containers["a"].frozen
     assert rig.enforcer.controls() == []
+
+
+def test_a_failed_thaw_is_retried_at_the_next_period() -> None:
+    rig = Rig()
+    rig.add("a", 1.0, spec("a", 30))
+    real_thaw = rig.gpu.thaw
+    failures = [PlatformError("EBUSY (injected)")]
+
+    def flaky_thaw(target: ThrottleTarget) -> None:
+        if failures:
+            raise failures.pop()
+        real_thaw(target)
+
+    rig.gpu.thaw = flaky_thaw  # type: ignore[method-assign]
+    rig.enforcer.period()
+    assert rig.gpu.containers["a"].frozen
+    rig.enforcer.period()  # its thaw fails: still frozen, and known to be
+    assert rig.enforcer.controls()[0].frozen
+    rig.enforcer.period()  # retried
+    assert rig.enforcer.stats.actuator_errors == 1
+    assert rig.gpu.longest_freeze("a") <= 2 * PERIOD + 1e-9
+    rig.enforcer.release_all()
+    assert not rig.gpu.containers["a"].frozen
