@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
 FREEZE_SLOT_S = 0.004  # freezes due this close together share one wake-up
+DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class SampleSource(Protocol):
@@ -81,7 +82,16 @@ class EnforcerStats:
     measure_errors: int = 0
     actuator_errors: int = 0
     last_period_s: float = 0.0  # work time of the last period (not counting sleeps)
-    durations: list[float] = field(default_factory=list)  # drained by the metrics collector
+    # Work time per period as a cumulative histogram (Prometheus buckets), for metrics.
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS_S))
+    duration_sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.last_period_s = seconds
+        self.duration_sum_s += seconds
+        for i, bound in enumerate(DURATION_BUCKETS_S):
+            if seconds <= bound:
+                self.bucket_counts[i] += 1
 
 
 class Enforcer:
@@ -143,9 +153,7 @@ class Enforcer:
         self._measure()
         throttled = self._control(start)
         self.stats.periods += 1
-        self.stats.last_period_s = self._clock.monotonic() - work_start
-        self.stats.durations.append(self.stats.last_period_s)
-        del self.stats.durations[:-1000]
+        self.stats.observe(self._clock.monotonic() - work_start)
         if not self.enabled:
             return
         pending = sorted(throttled, key=lambda c: c.state.duty)

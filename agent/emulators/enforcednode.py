@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +126,14 @@ class EnforcedNode:
             if time.monotonic() > deadline:
                 raise PlatformError("the agent did not register with kubelet within 60 s")
         return agent
+
+    def metrics(self) -> str:
+        """The current agent's /metrics text."""
+        found = wait_for(
+            lambda: re.search(r"metrics on (http://\S+/metrics)", self.agent_log()), 10, "metrics"
+        )
+        with urllib.request.urlopen(found.group(1), timeout=5) as answer:
+            return str(answer.read().decode())
 
     def _plugin_ready(self) -> bool:
         plugin = self.kubelet.plugins.get("nvidia.com/vcuda-core")

@@ -26,6 +26,7 @@ from agent.surfaces.enforcementnode import EnforcementIntegration
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.metrics.collector import AgentCollector
+from agent.surfaces.metrics.enforcement_collector import EnforcementCollector
 from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer
 from agent.surfaces.metrics.kube_collector import AllocationCollector
@@ -98,6 +99,8 @@ class NodeAgent:
             self.registry.register(AllocationCollector(self.kube, self.gpus))
         if self.host is not None:
             self.registry.register(HostCollector(self.host, settings.node_name))
+        if self.enforcement is not None:
+            self.registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
         self.metrics: MetricsServer | None = None
 
     # AgentView ---------------------------------------------------------------

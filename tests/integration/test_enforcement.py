@@ -9,6 +9,7 @@ reports.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -101,6 +102,18 @@ def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
     assert any(
         a["action"] == "throttled" and a["container"] == "default/shown/c" for a in doc["recentActions"]
     )
+    metrics = rig.metrics()
+
+    def sample(name: str, labels: str) -> float:
+        found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", metrics, re.M)
+        assert found, f"{name}{{{labels}}} not in /metrics"
+        return float(found[1])
+
+    mine = 'container="c",gpu="0",namespace="default",node="sim-node",pod="shown"'
+    assert 0.2 < sample("vcuda_container_throttle_duty_ratio", mine) < 0.6
+    assert 0.3 < sample("vcuda_container_gpu_utilization_ratio", mine) < 0.5
+    assert sample("vcuda_container_frozen_seconds_total", mine) > 0.5
+    assert sample("vcuda_control_loop_duration_seconds_count", 'node="sim-node"') > 8
 
 
 def test_sigkilled_agent_leaves_nothing_frozen_and_a_restart_resumes(rig: EnforcedNode) -> None:

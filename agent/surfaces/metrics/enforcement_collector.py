@@ -1,0 +1,139 @@
+"""Enforcement metrics at scrape time: measured use, duty, freezes and memory actions per
+container; GPU utilization and memory used; the control loop's own cost."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from agent.control.enforcer import DURATION_BUCKETS_S
+from agent.platform.gpu.inventory import GpuInfo
+from agent.surfaces.enforcementnode import EnforcementIntegration
+
+MIB = 1024 * 1024
+GPU_LABELS = ["node", "gpu", "uuid", "model"]
+CONTAINER_LABELS = ["node", "namespace", "pod", "container", "gpu"]
+MetricFamily = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+
+
+class EnforcementCollector(Collector):
+    def __init__(self, enforcement: EnforcementIntegration, gpus: Sequence[GpuInfo], node_name: str) -> None:
+        self._enforcement = enforcement
+        self._gpus = tuple(gpus)
+        self._node = node_name
+
+    def collect(self) -> Iterator[MetricFamily]:
+        yield from self._gpu_metrics()
+        yield from self._container_metrics()
+        yield from self._loop_metrics()
+
+    def _gpu_metrics(self) -> Iterator[MetricFamily]:
+        views = self._enforcement.enforcer.gpu_views()
+        util = GaugeMetricFamily(
+            "vcuda_gpu_utilization_ratio",
+            "Whole-GPU SM utilization over the control window",
+            labels=GPU_LABELS,
+        )
+        used = GaugeMetricFamily(
+            "vcuda_gpu_memory_used_bytes", "GPU memory held by processes (NVML)", labels=GPU_LABELS
+        )
+        for gpu in self._gpus:
+            labels = [self._node, str(gpu.index), gpu.uuid, gpu.model]
+            view = views.get(gpu.index)
+            if view is not None and view.device_percent is not None:
+                util.add_metric(labels, view.device_percent / 100)
+            mib = self._enforcement.memory.gpu_used_mib(gpu.index)
+            if mib is not None:
+                used.add_metric(labels, float(mib * MIB))
+        yield util
+        yield used
+
+    def _container_metrics(self) -> Iterator[MetricFamily]:
+        memory = self._enforcement.memory.usage_by_container()
+        util = GaugeMetricFamily(
+            "vcuda_container_gpu_utilization_ratio",
+            "The container's measured share of its GPU over the control window",
+            labels=CONTAINER_LABELS,
+        )
+        duty = GaugeMetricFamily(
+            "vcuda_container_throttle_duty_ratio",
+            "Share of each control period the container runs (1: not throttled)",
+            labels=CONTAINER_LABELS,
+        )
+        target = GaugeMetricFamily(
+            "vcuda_container_target_ratio",
+            "The utilization the controller holds the container to now (absent: not throttled)",
+            labels=CONTAINER_LABELS,
+        )
+        frozen = CounterMetricFamily(
+            "vcuda_container_frozen_seconds",
+            "Time the container spent frozen by the agent",
+            labels=CONTAINER_LABELS,
+        )
+        actions = CounterMetricFamily(
+            "vcuda_container_throttle_actions",
+            "Freezes of the container (duty-cycle slices)",
+            labels=CONTAINER_LABELS,
+        )
+        mem = GaugeMetricFamily(
+            "vcuda_container_gpu_memory_used_bytes",
+            "GPU memory the container's processes hold (max of NVML and the ioctl tracer)",
+            labels=CONTAINER_LABELS,
+        )
+        for control in self._enforcement.enforcer.controls():
+            spec = control.spec
+            labels = [self._node, spec.namespace, spec.pod, spec.container, ",".join(map(str, spec.gpus))]
+            util.add_metric(labels, control.used / 100)
+            duty.add_metric(labels, control.state.duty)
+            if control.goal is not None:
+                target.add_metric(labels, control.goal / 100)
+            frozen.add_metric(labels, control.frozen_s)
+            actions.add_metric(labels, float(control.freezes))
+            if spec.label in memory:
+                mem.add_metric(labels, float(memory[spec.label] * MIB))
+        yield from (util, duty, target, frozen, actions, mem)
+        quota = CounterMetricFamily(
+            "vcuda_memory_quota_actions",
+            "What the memory guard did about containers over their vcuda-memory",
+            labels=["node", "mode", "action"],
+        )
+        mode = self._enforcement.memory.mode
+        for action, count in self._enforcement.memory.guard.stats().items():
+            quota.add_metric([self._node, mode, action], float(count))
+        yield quota
+
+    def _loop_metrics(self) -> Iterator[MetricFamily]:
+        stats = self._enforcement.enforcer.stats
+        buckets = [
+            (str(bound), float(count))
+            for bound, count in zip(DURATION_BUCKETS_S, stats.bucket_counts, strict=True)
+        ]
+        buckets.append(("+Inf", float(stats.periods)))
+        loop = HistogramMetricFamily(
+            "vcuda_control_loop_duration_seconds",
+            "Work time of one control period (measure, decide, act), sleeps excluded",
+            labels=["node"],
+        )
+        loop.add_metric([self._node], buckets, stats.duration_sum_s)
+        yield loop
+        for name, help_text, value in (
+            ("vcuda_control_overruns", "Control periods that started a period or more late", stats.overruns),
+            (
+                "vcuda_control_measure_errors",
+                "Failed reads of GPU utilization (NVML errors)",
+                stats.measure_errors,
+            ),
+            ("vcuda_control_actuator_errors", "Failed freezes, thaws or releases", stats.actuator_errors),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=["node"])
+            counter.add_metric([self._node], float(value))
+            yield counter
+        watchdog = GaugeMetricFamily(
+            "vcuda_watchdog_running",
+            "1 while the watchdog process that thaws on agent death runs",
+            labels=["node"],
+        )
+        watchdog.add_metric([self._node], 1.0 if self._enforcement.watchdog_state() == "running" else 0.0)
+        yield watchdog
