@@ -84,11 +84,12 @@ class GuardStats:
     denied: dict[str, int]  # label → accesses denied (v2 only; audit: would have been)
 
 
-def default_rules(layout: CgroupLayout) -> DeviceRules:
-    """The mechanism the runtime itself uses: v1 devices where mounted, else the v2 program."""
+def default_rules(layout: CgroupLayout, bpf_dir: Path | None = None) -> DeviceRules:
+    """The mechanism the runtime itself uses: v1 devices where mounted, else the v2 program
+    (``bpf_dir/device_guard.c``; None: the sources next to the package)."""
     if "devices" in layout.v1_roots and layout.mode != CgroupMode.V2:
         return V1DeviceRules()
-    return BpfDeviceRules()
+    return BpfDeviceRules() if bpf_dir is None else BpfDeviceRules(source_path=bpf_dir / "device_guard.c")
 
 
 @dataclass

@@ -43,8 +43,6 @@ from agent.surfaces.statusview import (
 
 log = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
-
 
 class EnforcementIntegration:
     def __init__(

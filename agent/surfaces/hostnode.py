@@ -62,7 +62,7 @@ class HostIntegration:
         self.guard = DeviceGuard(
             targets,
             self.resolver,
-            default_rules(self.facts.layout),
+            default_rules(self.facts.layout, self.bpf_settings.bpf_dir),
             mode=mode,
             interval_s=self.cgroup_settings.guard_interval_s,
             proc_root=self.cgroup_settings.proc_root,

@@ -1,0 +1,268 @@
+"""deploy/: each kustomization builds with the real kubectl, every object is a valid Kubernetes
+object (strict schemas), and the DaemonSet is what the agent actually needs: args its CLI
+accepts, every path it uses mounted (writable where it writes), probes on its metrics port,
+a node config its loader accepts, and the RBAC exactly as written in deploy/base/rbac.yaml."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+
+from agent.domain.nodeconfig import load_config
+from agent.settings import DeviceListStrategy, Settings
+from agent.surfaces.cli.run import settings_from_args
+from tests.integration.deploy_render import (
+    AGENT,
+    KUSTOMIZATIONS,
+    Doc,
+    check_service_monitor,
+    container,
+    load_yaml,
+    mount_for,
+    one,
+    parse_run_args,
+    render,
+    validate,
+    validator,
+)
+
+BASE_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
+
+
+def agent_settings(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """What `vcuda-agent run` builds from the DaemonSet's args and downward-API env."""
+    monkeypatch.setenv("NODE_NAME", "gpu-node-1")
+    monkeypatch.setenv("POD_UID", "0b5e3c6a-1d2f-4e5a-9b8c-7d6e5f4a3b2c")
+    return settings_from_args(parse_run_args(container(one(docs, *AGENT))["args"]))
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS)
+def test_each_kustomization_builds_and_validates_strictly(directory: str) -> None:
+    docs = render(directory)
+    kinds = {d["kind"] for d in docs}
+    extra = {"Service", "ServiceMonitor"} if directory.endswith("monitoring") else set()
+    assert kinds == BASE_KINDS | extra
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            check_service_monitor(doc, one(docs, "Service", "vcuda-agent-metrics"))
+        else:
+            validate(doc)
+
+
+def test_the_schema_check_catches_a_misspelt_field() -> None:
+    """Strict validation is what makes the test above worth having: an unknown field fails."""
+    daemonset = copy.deepcopy(one(render("deploy"), *AGENT))
+    daemonset["spec"]["template"]["spec"]["hostPid"] = True
+    kv = validator()
+    with pytest.raises(kv.ValidationError):
+        kv.validate(daemonset, "1.30", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("directory", "strategy"),
+    [("deploy", DeviceListStrategy.MOUNTS), ("deploy/overlays/cdi", DeviceListStrategy.CDI)],
+)
+def test_the_agent_cli_accepts_the_daemonset_args(
+    directory: str, strategy: DeviceListStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(directory)
+    agent = container(one(docs, *AGENT))
+    assert "command" not in agent, "args follow the image's ENTRYPOINT (vcuda-agent run)"
+    settings = agent_settings(docs, monkeypatch)
+    assert settings.node_name == "gpu-node-1"
+    assert settings.cgroups.own_pod_uid.startswith("0b5e3c6a")
+    assert settings.use_kube and settings.kube.kubeconfig is None, "in-cluster service account"
+    assert settings.plugin.device_list_strategy is strategy
+    assert settings.config_file == Path("/etc/vcuda-agent/config.json")
+    assert settings.plugin.driver_root == Path("/")
+    assert settings.plugin.driver_root_in_agent == Path("/host")
+    assert settings.bpf.bpf_dir == Path("/opt/vcuda-agent/bpf")
+    assert settings.metrics.enabled and settings.metrics.host == "0.0.0.0"
+
+
+def test_every_path_the_agent_uses_is_mounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render("deploy")
+    agent = container(one(docs, *AGENT))
+    mounts = agent["volumeMounts"]
+    volumes = {v["name"]: v for v in one(docs, *AGENT)["spec"]["template"]["spec"]["volumes"]}
+    settings = agent_settings(docs, monkeypatch)
+    written = {  # the agent creates or writes files here
+        "device-plugin dir": settings.plugin.directory,
+        "cgroup root": settings.cgroups.root,
+        "freeze journal": settings.enforcement.journal_path,
+        "status socket": settings.enforcement.status_socket,
+        "tracefs": Path("/sys/kernel/tracing"),
+        "device nodes": Path("/dev/nvidiactl"),  # NVML opens them read-write
+    }
+    read = {
+        "pod-resources socket": settings.kube.pod_resources_socket,
+        "kubelet config": settings.cgroups.kubelet_config,
+        "node config": settings.config_file,
+        "driver root": settings.plugin.driver_root_in_agent,
+        "kernel modules": Path("/lib/modules"),
+        "kernel headers": Path("/usr/src"),
+    }
+    for what, path in {**written, **read}.items():
+        assert path is not None
+        mount = mount_for(PurePosixPath(path), mounts)
+        assert mount is not None, f"{what} {path} is not in any volume"
+        if what in written:
+            assert not mount.get("readOnly", False), f"{what} {path} is mounted read-only"
+    # The journal must outlive the pod: a host directory, so a restarted agent thaws what a
+    # crashed one froze.
+    state = mount_for(PurePosixPath(settings.enforcement.journal_path), mounts)
+    assert state is not None
+    assert volumes[state["name"]]["hostPath"] == {"path": "/run/vcuda-agent", "type": "DirectoryOrCreate"}
+    # The image's BPF sources must not be hidden by a volume.
+    assert mount_for(PurePosixPath(settings.bpf.bpf_dir), mounts) is None
+
+
+def test_volume_mounts_and_volumes_match_one_to_one() -> None:
+    daemonset = one(render("deploy"), *AGENT)
+    mounts = container(daemonset)["volumeMounts"]
+    volumes = daemonset["spec"]["template"]["spec"]["volumes"]
+    mounted = [m["name"] for m in mounts]
+    declared = [v["name"] for v in volumes]
+    assert len(set(mounted)) == len(mounted) and len(set(declared)) == len(declared)
+    assert set(mounted) == set(declared), "every mount has a volume, every volume is mounted"
+    host_paths = {v["hostPath"]["path"]: v["hostPath"].get("type") for v in volumes if "hostPath" in v}
+    assert host_paths["/"] == "Directory"
+    root = next(m for m in mounts if m["mountPath"] == "/host")
+    assert root["readOnly"] and root["mountPropagation"] == "HostToContainer"
+    # Not mounted on purpose: /run (it would shadow the service-account token's mount point at
+    # /var/run/secrets) and /proc (hostPID already shows the host's processes).
+    assert not {"/run", "/var/run", "/proc"} & {m["mountPath"] for m in mounts}
+
+
+def test_host_namespaces_privileges_placement_and_lifecycle() -> None:
+    docs = render("deploy")
+    daemonset = one(docs, *AGENT)
+    assert daemonset["metadata"]["namespace"] == "kube-system"
+    spec = daemonset["spec"]
+    pod = spec["template"]["spec"]
+    assert pod["hostPID"] is True and pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["nodeSelector"] == {"nvidia-device-enable": "enable"}
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["terminationGracePeriodSeconds"] == 30
+    account = one(docs, "ServiceAccount", pod["serviceAccountName"])
+    assert account["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    assert spec["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    agent = container(daemonset)
+    assert agent["securityContext"] == {"privileged": True}
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    resources = agent["resources"]
+    assert "cpu" not in resources["limits"], "a CPU-throttled agent stretches the duty cycles"
+    assert resources["requests"]["cpu"] == "100m"
+    assert _mib(resources["requests"]["memory"]) >= 225, "measured: 225 MB RSS with the tracer"
+    assert _mib(resources["limits"]["memory"]) >= 2 * 225
+
+
+def test_the_probes_point_at_the_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render("deploy")
+    agent = container(one(docs, *AGENT))
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    port = agent_settings(docs, monkeypatch).metrics.port
+    assert ports["metrics"] == port == 5678
+    paths = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = agent[probe]["httpGet"]
+        assert ports.get(get["port"], get["port"]) == port, f"{probe} probes another port"
+        paths[probe] = get["path"]
+    assert paths == {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
+    startup = agent["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60, "start-up may take 30 s or more"
+
+
+def test_the_config_map_holds_a_node_config_the_agent_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render("deploy")
+    config_map = one(docs, "ConfigMap", "gpu-manager-config")
+    assert config_map["metadata"]["namespace"] == "kube-system"
+    assert set(config_map["data"]) == {"config.json"}
+    path = tmp_path / "config.json"
+    path.write_text(config_map["data"]["config.json"])
+    node = load_config(path).for_node("gpu-node-1")  # raises ConfigError listing any problem
+    assert (node.device_memory_scaling, node.cgroup_driver) == (1.0, "systemd")
+    # Mounted as a directory (not subPath) so edits reach the agent, which re-reads the file.
+    daemonset = one(docs, *AGENT)
+    config_file = agent_settings(docs, monkeypatch).config_file
+    assert config_file is not None
+    mount = mount_for(PurePosixPath(config_file), container(daemonset)["volumeMounts"])
+    assert mount is not None and "subPath" not in mount
+    assert PurePosixPath(config_file) == PurePosixPath(mount["mountPath"]) / "config.json"
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "gpu-manager-config"
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS)
+def test_the_rbac_is_rendered_exactly_as_written(directory: str) -> None:
+    written = load_yaml("deploy/base/rbac.yaml")
+    kinds = {d["kind"] for d in written}
+    assert kinds == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    assert [d for d in render(directory) if d["kind"] in kinds] == written
+
+
+def test_the_monitoring_overlay_scrapes_every_agent() -> None:
+    docs = render("deploy/overlays/monitoring")
+    service = one(docs, "Service", "vcuda-agent-metrics")
+    daemonset = one(docs, *AGENT)
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None", "headless: one endpoint per node"
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"].items() <= pod_labels.items()
+    [port] = spec["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("metrics", 5678, "metrics")
+    assert service["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    monitor = one(docs, "ServiceMonitor", "vcuda-agent")
+    check_service_monitor(monitor, service)
+    assert [e["interval"] for e in monitor["spec"]["endpoints"]] == ["15s"]
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "cores", "memory", "limit"),
+    [
+        ("deploy/examples/share-50.yaml", "cuda-share-50", 50, 2048, "50"),
+        ("deploy/examples/exclusive-200.yaml", "cuda-exclusive-200", 200, 0, None),
+    ],
+)
+def test_the_example_pods_validate_and_request_what_they_say(
+    path: str, name: str, cores: int, memory: int, limit: str | None
+) -> None:
+    from agent.domain.annotations import parse_core_limit  # noqa: PLC0415
+    from agent.domain.requests import check_core_request  # noqa: PLC0415
+    from agent.platform.kube.pods import pod_from_json  # noqa: PLC0415
+
+    [pod] = load_yaml(path)
+    validate(pod)
+    info = pod_from_json({**pod, "metadata": {**pod["metadata"], "uid": "example"}})
+    [cuda] = info.containers
+    assert info.name == name
+    assert cuda.quantity("nvidia.com/vcuda-core") == cores
+    assert cuda.quantity("nvidia.com/vcuda-memory") == memory
+    check_core_request(cores)  # raises if the request breaks the rule
+    assert info.annotations.get("nvidia.com/vcuda-core-limit") == limit
+    if limit is not None:
+        assert parse_core_limit(limit, cores) == (int(limit), ""), "a valid limit, no Event"
+    # The same pod the demo admits (agent/surfaces/cli/demo_pods.yaml).
+    demo = one(load_yaml("agent/surfaces/cli/demo_pods.yaml"), "Pod", name)
+    assert _strip(pod) == _strip(demo)
+
+
+def _strip(pod: Doc) -> Any:
+    return {"metadata": pod["metadata"], "spec": pod["spec"]}
+
+
+def _mib(quantity: str) -> float:
+    factors = {"Mi": 1.0, "Gi": 1024.0, "M": 1e6 / 2**20, "G": 1e9 / 2**20}
+    for suffix, factor in factors.items():
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * factor
+    return float(quantity) / 2**20
