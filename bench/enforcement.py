@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +93,15 @@ class Outcome:
 
 
 def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, workdir: Path) -> list[Outcome]:
-    rows = []
     with enforced_node(workdir, agent_args=("--log-level", "WARNING", "--device-guard", "off")) as node:
         running = [node.run_pod(f"pod-{b.name}", b.cores, annotations={POLICY: b.policy}) for b in boxes]
         series = sample(running, seconds)
+    return outcomes(name, boxes, series, settle)
+
+
+def outcomes(name: str, boxes: list[Box], series: list[list[float]], settle: float) -> list[Outcome]:
+    """One table row per container from its utilization windows."""
+    rows = []
     skip = int(settle / WINDOW_S)
     for box, windows in zip(boxes, series, strict=True):
         after = windows[skip:]
@@ -110,9 +116,13 @@ def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, wor
     return rows
 
 
-def main() -> int:
+ScenarioRunner = Callable[[str, list[Box], float, float, Path], list[Outcome]]
+
+
+def run_all(run: ScenarioRunner, description: str | None) -> int:
+    """Parse --seconds/--settle, run every scenario with ``run``, print the table and RESULT."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seconds", type=float, default=23.0, help="measured per scenario (default 23)")
     parser.add_argument("--settle", type=float, default=3.0, help="left out of the mean (default 3)")
@@ -124,7 +134,7 @@ def main() -> int:
     settles: list[float] = []
     try:
         for i, (name, boxes) in enumerate(SCENARIOS):
-            for outcome in run_scenario(name, boxes, args.seconds, args.settle, workdir / str(i)):
+            for outcome in run(name, boxes, args.seconds, args.settle, workdir / str(i)):
                 print(outcome.row, flush=True)
                 errors.append(outcome.error_pp)
                 settles.append(outcome.settle_s)
@@ -132,6 +142,10 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"RESULT max_abs_error_pp={max(errors):.1f} max_settle_s={max(settles):.1f}")
     return 0
+
+
+def main() -> int:
+    return run_all(run_scenario, __doc__)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,12 @@ Last line: ``RESULT max_abs_error_pp=... max_settle_s=...``.
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from enforcement import SCENARIOS, WINDOW_S, Box, Outcome, percentile, settle_time
+from enforcement import WINDOW_S, Box, Outcome, outcomes, run_all
 
 from agent.domain.annotations import POLICY
 from agent.domain.usage import GpuUsageEstimator
@@ -98,43 +94,11 @@ def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, wor
     with enforced_node(workdir, None, agent_args=("--log-level", "WARNING")) as node:
         pids = [start_workload(node, f"pod-{b.name}", b) for b in boxes]
         series = sample(pids, seconds)
-    outcomes = []
-    skip = int(settle / WINDOW_S)
-    for box, windows in zip(boxes, series, strict=True):
-        after = windows[skip:]
-        mean = statistics.fmean(after)
-        settled = settle_time(windows, box.target)
-        row = (
-            f"| {name} | {box.name}: {box.policy} {box.cores} | {box.target:.0f} | {mean:.1f} | "
-            f"{percentile(after, 5):.1f} | {percentile(after, 95):.1f} | {mean - box.target:+.1f} | "
-            f"{settled:.1f} |"
-        )
-        outcomes.append(Outcome(row, abs(mean - box.target), settled))
-    return outcomes
+    return outcomes(name, boxes, series, settle)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seconds", type=float, default=23.0)
-    parser.add_argument("--settle", type=float, default=3.0)
-    args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="vc-gpu-enf-", dir="/tmp"))
-    print("| scenario | container | target % | mean % | p5 % | p95 % | error pp | settle s |")
-    print("|---|---|---|---|---|---|---|---|")
-    errors: list[float] = []
-    settles: list[float] = []
-    try:
-        for i, (name, boxes) in enumerate(SCENARIOS):
-            for outcome in run_scenario(name, boxes, args.seconds, args.settle, workdir / str(i)):
-                print(outcome.row, flush=True)
-                errors.append(outcome.error_pp)
-                settles.append(outcome.settle_s)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(f"RESULT max_abs_error_pp={max(errors):.1f} max_settle_s={max(settles):.1f}")
-    return 0
+    return run_all(run_scenario, __doc__)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ class ContainerRuntime:
                 c.proc.kill()
             c.proc.wait(timeout=10)
         for path in sorted(self._made, key=lambda p: len(p.parts), reverse=True):
-            _rmdir(path)
+            remove_cgroup_dir(path)
         self.containers.clear()
         self._made.clear()
 
@@ -101,8 +101,9 @@ class ContainerRuntime:
         return path
 
 
-def _rmdir(path: Path) -> None:
-    deadline = time.monotonic() + 5.0  # an exiting process leaves its cgroup a moment late
+def remove_cgroup_dir(path: Path) -> None:
+    """rmdir, retried for 5 s: an exiting process leaves its cgroup a moment after wait()."""
+    deadline = time.monotonic() + 5.0
     while True:
         try:
             path.rmdir()

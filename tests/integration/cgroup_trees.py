@@ -10,7 +10,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.emulators.containers import remove_cgroup_dir
 from agent.platform.cgroups.layout import UNIFIED, CgroupLayout, CgroupMode, detect_layout
 
 # Reads paths on stdin, one per line, and answers with the errno of opening each (0: opened).
@@ -112,22 +112,7 @@ class CgroupTree:
             child.kill()
             child.wait(timeout=10)
         for path in sorted(self.created, key=lambda p: len(p.parts), reverse=True):
-            _rmdir(path)
-
-
-def _rmdir(path: Path) -> None:
-    # An exiting process leaves its cgroup a moment after wait() returns.
-    deadline = time.monotonic() + 5.0
-    while True:
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+            remove_cgroup_dir(path)
 
 
 def real_layout() -> CgroupLayout:
