@@ -73,6 +73,7 @@ class MetricsSettings:
     host: str = "0.0.0.0"
     port: int = DEFAULT_METRICS_PORT  # 0: any free port
     enabled: bool = True
+    legacy: bool = False  # also serve gpu-manager's metric names (--legacy-metrics)
 
 
 class GuardMode(enum.StrEnum):

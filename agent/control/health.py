@@ -23,6 +23,8 @@ class HealthMonitor:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             for event in self._backend.wait_events(self._wait_s):
+                if event.xid is not None:
+                    self._board.xids.record(event.gpu_index, event.xid)
                 verdict = self._policy.verdict(event)
                 if verdict is None:
                     log.info(

@@ -55,12 +55,31 @@ class GpuHealth:
     since: float  # wall time of the last change
 
 
+class XidCounts:
+    """Thread-safe count of XID events per (GPU, XID), ignored ones included: metrics read it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[int, int], int] = {}
+
+    def record(self, gpu_index: int, xid: int) -> None:
+        with self._lock:
+            key = (gpu_index, xid)
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def snapshot(self) -> dict[tuple[int, int], int]:
+        """{(GPU index, XID): events since the agent started}."""
+        with self._lock:
+            return dict(self._counts)
+
+
 class HealthBoard:
     """Thread-safe health of every GPU with a version that grows on each change."""
 
     def __init__(self, indexes: Iterable[int]) -> None:
         now = time.time()
         self._state = {i: GpuHealth(True, "", now) for i in indexes}
+        self.xids = XidCounts()  # here so that the health loop and the metrics share one
         self._version = 0
         self._changed = threading.Condition()
 

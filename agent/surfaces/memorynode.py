@@ -63,6 +63,7 @@ class MemoryIntegration:
         self._by_container: dict[str, int] = {}  # label -> MiB
         self._by_gpu: dict[int, int] = {}
         self._reported: set[str] = set()
+        self.read_errors = 0  # failed per-process memory reads (metrics: vcuda_nvml_errors_total)
 
     def run(self, stop: threading.Event) -> None:
         while not self._clock.sleep(self.settings.memory_check_s, stop):
@@ -77,6 +78,7 @@ class MemoryIntegration:
             try:
                 memory = self._backend.process_memory(gpu.index)
             except VcudaError as err:
+                self.read_errors += 1
                 self._report(f"cannot read GPU {gpu.index} process memory: {err}")
                 continue
             by_gpu[gpu.index] = sum(m.used_bytes for m in memory) // MIB

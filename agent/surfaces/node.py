@@ -30,6 +30,9 @@ from agent.surfaces.metrics.enforcement_collector import EnforcementCollector
 from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer
 from agent.surfaces.metrics.kube_collector import AllocationCollector
+from agent.surfaces.metrics.legacy_collector import LegacyCollector
+from agent.surfaces.metrics.tracer_collector import TracerCollector
+from agent.surfaces.metrics.xid_collector import XidCollector
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,14 @@ class NodeAgent:
             self.registry.register(HostCollector(self.host, settings.node_name))
         if self.enforcement is not None:
             self.registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
+        self.registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
+        if self.host is not None and self.kube is not None:
+            host, specs, node = self.host, self.kube.specs, settings.node_name
+            tracer = TracerCollector(lambda: host.tracer, host.resolver.index_cgroup_ids, specs, node)
+            self.registry.register(tracer)
+        if self.enforcement is not None and self.kube is not None and settings.metrics.legacy:
+            legacy = LegacyCollector(self.enforcement, self.kube.specs, self.gpus, settings.node_name)
+            self.registry.register(legacy)
         self.metrics: MetricsServer | None = None
 
     # AgentView ---------------------------------------------------------------

@@ -167,3 +167,20 @@ def test_sigterm_thaws_everything_before_the_agent_exits(rig: EnforcedNode) -> N
     assert not any(frozen(b.cgroup) for b in boxes)  # at exit, not "soon after": no watchdog involved
     journal = json.loads((rig.state_dir / "frozen.json").read_text())
     assert (journal["cgroups"], journal["processes"]) == ([], [])
+
+
+def test_legacy_metrics_serve_gpu_managers_names(short_dir: Path) -> None:
+    real_layout()
+    args = ("--device-guard", "off", "--no-ioctl-tracing", "--legacy-metrics")
+    with enforced_node(short_dir, agent_args=args) as node:
+        node.run_pod("migrated", 30, memory_mib=2048)
+        text = wait_for(lambda: legacy_scrape(node), 10, "the legacy series")
+    labels = 'container_name="c",gpu="0",namespace="default",node="sim-node",pod_name="migrated"'
+    assert f"container_request_gpu_memory{{{labels}}} 2048.0" in text
+    assert f"container_request_gpu_utilization{{{labels}}} 30.0" in text
+    assert f"container_gpu_utilization{{{labels}}}" in text
+
+
+def legacy_scrape(node: EnforcedNode) -> str | None:
+    text = node.metrics()
+    return text if "container_request_gpu_memory{" in text else None

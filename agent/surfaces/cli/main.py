@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-metrics", action="store_true", help="do not serve metrics")
     p.add_argument(
+        "--legacy-metrics",
+        action="store_true",
+        help="also serve gpu-manager's metric names (container_gpu_utilization...) for migrating dashboards",
+    )
+    p.add_argument(
         "--no-kube",
         action="store_true",
         help="run without the Kubernetes API: device plugin, metrics and enforcement only",

@@ -77,7 +77,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ),
         health=health,
         simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir), cores=cores),
-        metrics=MetricsSettings(host=host, port=port, enabled=not args.no_metrics),
+        metrics=MetricsSettings(
+            host=host, port=port, enabled=not args.no_metrics, legacy=args.legacy_metrics
+        ),
         cgroups=CgroupSettings(
             root=Path(args.cgroup_root),
             kubelet_config=Path(args.kubelet_config),

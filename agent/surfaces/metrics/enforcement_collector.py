@@ -130,6 +130,14 @@ class EnforcementCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=["node"])
             counter.add_metric([self._node], float(value))
             yield counter
+        nvml = CounterMetricFamily(
+            "vcuda_nvml_errors",
+            "Failed GPU backend reads (NVML, or the simulator): utilization by the control loop "
+            "plus per-process memory by the memory guard",
+            labels=["node"],
+        )
+        nvml.add_metric([self._node], float(stats.measure_errors + self._enforcement.memory.read_errors))
+        yield nvml
         watchdog = GaugeMetricFamily(
             "vcuda_watchdog_running",
             "1 while the watchdog process that thaws on agent death runs",
