@@ -24,7 +24,7 @@ from typing import Protocol
 
 from agent.clock import Clock, SystemClock
 from agent.control.actuators import Actuator, ThrottleTarget
-from agent.domain.dutycontrol import DutyState, Gains, Member, next_duty, targets
+from agent.domain.dutycontrol import ACTIVE_PERCENT, DutyState, Gains, Member, next_duty, targets
 from agent.domain.specs import EnforcementSpec
 from agent.domain.usage import GpuUsageEstimator
 from agent.errors import VcudaError
@@ -220,7 +220,11 @@ class Enforcer:
                     self._member(key, spec, estimate.by_key.get(key, 0.0)) for key, spec in on_gpu.items()
                 ]
                 goals = targets(members)
-                fresh = estimator.newest_us != self._seen_us.get(gpu)
+                # New samples, or a GPU nobody is using (no samples come then: the containers'
+                # zero use is news too, or an idle container would stay throttled).
+                device = estimator.device_mean()
+                idle = device is not None and device < ACTIVE_PERCENT
+                fresh = estimator.newest_us != self._seen_us.get(gpu) or idle
                 self._seen_us[gpu] = estimator.newest_us
                 age = estimate.newest_sample_age_s or 0.0
                 for key, spec in on_gpu.items():
@@ -239,10 +243,9 @@ class Enforcer:
     def _member(self, key: str, spec: EnforcementSpec, used: float) -> Member[str]:
         control = self._controls.get(key)
         if control is None:
-            ceiling = spec.ceiling
-            # Start near the answer (a busy workload at its cap) rather than at full speed.
-            first = 1.0 if ceiling is None else max(self.gains.min_duty, min(1.0, ceiling / 100))
-            control = self._controls[key] = ContainerControl(spec, key, DutyState(duty=first))
+            # Not throttled until measured above its target: a container starting up (or
+            # doing CPU work only) must not be frozen for GPU use it does not have.
+            control = self._controls[key] = ContainerControl(spec, key, DutyState())
         control.used = used
         return Member(key, spec.policy, spec.cores, spec.cap, spec.ceiling, used)
 

@@ -17,7 +17,9 @@ to the samples' own clock rather than to now means late samples do not read as i
 and a burst of late samples lands in the ticks it belongs to. Samples older than the window
 are ignored.
 
-When per-process samples stop arriving while the device says it is busy (a stalled NVML
+When the device utilization over the window says the GPU is idle, every container reads 0
+at once (an idle GPU sends no per-process samples, so silence alone proves nothing). When
+per-process samples stop arriving while the device says it is busy (a stalled NVML
 sampler), the last known shares of each container are applied to the device utilization
 averaged over the window, so a stall does not read as "everyone idle" (which would make the
 controller thaw everything).
@@ -47,15 +49,22 @@ class Estimate(Generic[K]):
     """Utilization in percent of the GPU, per container, and how it was obtained."""
 
     by_key: Mapping[K, float]
-    source: str  # "samples" | "device-shares" (samples stale) | "none" (nothing yet)
+    source: str  # "samples" | "device-shares" (samples stale) | "device-idle" | "none" (nothing yet)
     newest_sample_age_s: float | None
 
 
 class GpuUsageEstimator(Generic[K]):
     """One GPU's samples; ``K`` identifies a container (e.g. a ContainerRef)."""
 
-    def __init__(self, window_s: float = 1.0, max_gap_s: float = 1.0, stale_after_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        window_s: float = 1.0,
+        max_gap_s: float = 1.0,
+        stale_after_s: float = 3.0,
+        idle_percent: float = 5.0,
+    ) -> None:
         self.window_s = window_s
+        self.idle_percent = idle_percent
         self.max_gap_s = max_gap_s
         self.stale_after_s = stale_after_s
         self._ticks: list[_Tick[K]] = []
@@ -87,12 +96,16 @@ class GpuUsageEstimator(Generic[K]):
         if self.newest_us is None:
             return Estimate({}, "none", None)
         age = now_wall_s - self.newest_us / _US
+        device = self.device_mean()
+        if device is not None and device < self.idle_percent:
+            # The device is current and says nobody uses the GPU: old samples must not
+            # keep a container that stopped (or is frozen) looking busy.
+            return Estimate({k: 0.0 for k in self._last_shares}, "device-idle", 0.0)
         shares = self._from_samples()
         if age <= self.stale_after_s:
             if shares:
                 self._last_shares = dict(shares)
             return Estimate(shares, "samples", age)
-        device = self.device_mean()
         total = sum(self._last_shares.values())
         if device is None or total <= 0:
             return Estimate({k: 0.0 for k in self._last_shares}, "samples", age)
