@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 INVALID_ANNOTATION = "InvalidGPUAnnotation"
 
+# (ledger version, labels object, {pod uid: PodInfo seen}, specs) of the last build
+_Built = tuple[int, Mapping[str, str], dict[str, PodInfo | None], tuple[EnforcementSpec, ...]]
+
 
 class SpecBook:
     def __init__(
@@ -38,6 +41,9 @@ class SpecBook:
         self._node_labels = node_labels
         self._lock = threading.Lock()
         self._reported: set[tuple[str, str]] = set()  # (pod uid or "node", problem)
+        self._cache: (
+            tuple[int, Mapping[str, str], dict[str, PodInfo | None], tuple[EnforcementSpec, ...]] | None
+        ) = None
 
     def default_policy(self) -> Policy:
         policy, problem = node_policy(self._node_labels().get(POLICY), self._node)
@@ -47,11 +53,30 @@ class SpecBook:
         return policy
 
     def specs(self) -> list[EnforcementSpec]:
+        """Every ledger container's spec. The enforcer, the memory guard and every scrape ask
+        several times a second, so the list is rebuilt only when the ledger, one of its pods
+        (PodInfo objects are replaced, never changed) or the node labels changed."""
+        labels = self._node_labels()
+        version = self._ledger.version
+        with self._lock:
+            cached = self._cache
+        if self._still_valid(cached, version, labels):
+            assert cached is not None
+            return list(cached[3])
         default = self.default_policy()
-        out = [build_spec(item, self._pods.get(item.pod_uid), default) for item in self._ledger.assignments()]
+        items = self._ledger.assignments()
+        pods = {item.pod_uid: self._pods.get(item.pod_uid) for item in items}
+        out = [build_spec(item, pods[item.pod_uid], default) for item in items]
         for spec in out:
             self._report(spec)
+        with self._lock:
+            self._cache = (version, labels, pods, tuple(out))
         return out
+
+    def _still_valid(self, cached: _Built | None, version: int, labels: Mapping[str, str]) -> bool:
+        if cached is None or cached[0] != version or cached[1] is not labels:
+            return False
+        return all(self._pods.get(uid) is pod for uid, pod in cached[2].items())
 
     def check_pod(self, pod: PodInfo) -> list[EnforcementSpec]:
         """Specs of one pod's assigned containers, reporting new problems (after Allocate, and
