@@ -86,7 +86,19 @@ class MemoryIntegration:
                 ref = self._owner(m.pid)
                 if ref in specs:
                     grouped.setdefault(ref, []).append(m)
-        views = [self._view(spec, grouped.get(ref, []), traced, times) for ref, spec in specs.items()]
+        # Allocations NVML does not show yet belong to their container too: one owner lookup
+        # per traced pid, not one per pid and container.
+        traced_by_ref: dict[ContainerRef, dict[int, int]] = {}
+        for pid, held in (traced or {}).items():
+            ref = self._owner(pid)
+            if ref in specs:
+                traced_by_ref.setdefault(ref, {})[pid] = held
+        views = [
+            self._view(
+                spec, grouped.get(ref, []), None if traced is None else traced_by_ref.get(ref, {}), times
+            )
+            for ref, spec in specs.items()
+        ]
         usage = {v.key: sum(p.used_bytes for p in v.processes) // MIB for v in views}
         with self._lock:
             self._by_container, self._by_gpu = usage, by_gpu
@@ -101,13 +113,8 @@ class MemoryIntegration:
         traced: dict[int, int] | None,
         times: dict[int, int] | None,
     ) -> MemoryView:
-        pids = {m.pid for m in memory}
-        if traced is not None:  # allocations NVML does not show yet belong to this container too
-            pids |= {
-                pid for pid in traced if self._owner(pid) == ContainerRef(spec.pod_uid, spec.container_id)
-            }
-        mine = {pid: traced[pid] for pid in pids if traced is not None and pid in traced}
-        uses = process_uses(memory, self._procfs, mine if traced is not None else None, times)
+        """``traced``: this container's pids → video memory the tracer saw (None: no tracer)."""
+        uses = process_uses(memory, self._procfs, traced, times)
         return MemoryView(spec.label, self._kube.pods.get(spec.pod_uid), spec.memory_quota_mib, uses)
 
     def _traced(self) -> tuple[dict[int, int] | None, dict[int, int] | None]:

@@ -32,7 +32,7 @@ from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.simstate import SimStateDir
 from agent.surfaces.cli import demo_enforcement
-from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines
+from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines, section
 
 EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
 
@@ -50,10 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _section(title: str) -> None:
-    print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
 
 
 class Demo:
@@ -93,7 +89,7 @@ class Demo:
 
     @contextlib.contextmanager
     def _agent(self, kubeconfig: Path) -> Iterator[subprocess.Popen[bytes]]:
-        _section("starting the agent")
+        section("starting the agent")
         self._spawn(kubeconfig, show=True)
         try:
             yield self._proc
@@ -119,7 +115,7 @@ class Demo:
         return self._proc
 
     def _crash_and_recover(self, agent: subprocess.Popen[bytes], kubeconfig: Path) -> subprocess.Popen[bytes]:
-        _section("agent crash (SIGKILL) and restart")
+        section("agent crash (SIGKILL) and restart")
         before = self._http("/metrics")
         agent.kill()
         agent.wait()
@@ -168,7 +164,7 @@ class Demo:
 
     def _admissions(self, plugin: PluginConnection) -> None:
         manifests = {m["metadata"]["name"]: m for m in load_manifests(EXAMPLE_PODS)}
-        _section("admitting the example pods")
+        section("admitting the example pods")
         self._admit(manifests["cuda-share-50"])
         self._admit(manifests["cuda-exclusive-200"])
         print("  -> deleting default/cuda-share-50 to free GPU 0")
@@ -207,7 +203,7 @@ class Demo:
             print(f"    driver mounts: {len(c.response.mounts)} (none on a node without an NVIDIA driver)")
 
     def _fault(self, plugin: PluginConnection) -> None:
-        _section("GPU fault: XID 79 on GPU 1")
+        section("GPU fault: XID 79 on GPU 1")
         before = len(plugin.updates)
         capacity = self.view.capacity()
         started = time.monotonic()
@@ -220,7 +216,7 @@ class Demo:
         self.view.capacity_after_fault(capacity)
 
     def _kubelet_restart(self) -> None:
-        _section("kubelet restart")
+        section("kubelet restart")
         count = len(self.kubelet.registrations)
         started = time.monotonic()
         self.kubelet.restart()
@@ -234,7 +230,7 @@ class Demo:
         )
 
     def _stop(self, agent: subprocess.Popen[bytes]) -> int:
-        _section("stopping the agent (SIGTERM)")
+        section("stopping the agent (SIGTERM)")
         metrics = [
             line for line in self._http("/metrics").splitlines() if line.startswith("vcuda_gpu_healthy")
         ]

@@ -12,20 +12,17 @@ from pathlib import Path
 
 from agent.domain.annotations import POLICY
 from agent.emulators.enforcednode import EnforcedNode, enforced_node, frozen, utilization, wait_for
+from agent.surfaces.cli.demo_view import section
 from agent.surfaces.cli.statusrender import render_status
 from agent.surfaces.statusclient import fetch_status
 
 SETTLE_S = 3.0
 
 
-def _section(title: str) -> None:
-    print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
-
-
 def run(workdir: Path) -> None:
     """Needs root and a cgroup v2 hierarchy; raises PlatformError where there is none."""
     core = str(max(os.sched_getaffinity(0)))  # keep the other cores for the agent and the demo
-    _section("enforcement: compute caps on real containers (1 simulated GPU = CPU core " + core + ")")
+    section("enforcement: compute caps on real containers (1 simulated GPU = CPU core " + core + ")")
     with enforced_node(workdir, sim_cores=core, agent_args=("--device-guard", "off")) as node:
         _caps(node)
         _memory(node)

@@ -20,6 +20,11 @@ _LEDGER_SERIES = (
 )
 
 
+def section(title: str) -> None:
+    """A demo section heading."""
+    print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
+
+
 def ledger_lines(metrics: str) -> list[str]:
     """The ledger as /metrics exports it, in a stable order."""
     return sorted(line for line in metrics.splitlines() if line.startswith(_LEDGER_SERIES))
