@@ -193,3 +193,17 @@ def parse_int_set(text: str, what: str) -> frozenset[int]:
     if bad:
         raise ConfigError([f"{what}: {', '.join(bad)} are not non-negative integers"])
     return frozenset(int(t) for t in items)
+
+
+@dataclass(frozen=True)
+class ExtenderSettings:
+    """The kube-scheduler extender (``vcuda-agent extender``), one per cluster."""
+
+    host: str = "0.0.0.0"
+    port: int = 3456  # gpu-admission's port, so its scheduler configs carry over
+    kubeconfig: Path | None = None  # None: the pod's service account (in-cluster config)
+    node_policy: str = "binpack"  # default node policy: binpack | spread (pods may override)
+    gpu_policy: str = "binpack"  # default GPU policy within a node: binpack | spread
+    max_per_gpu: int = 16  # containers per GPU at most
+    stale_after_s: float = 90.0  # a node whose inventory heartbeat is older is not eligible
+    reservation_ttl_s: float = 120.0  # a bind reservation the watch never confirms expires

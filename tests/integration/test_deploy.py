@@ -30,6 +30,9 @@ from tests.integration.deploy_render import (
 )
 
 BASE_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
+# The scheduler extender (deploy/base/extender.yaml) and its second scheduler's overlay.
+BASE_KINDS |= {"Deployment", "Service"}
+OVERLAY_KINDS = {"monitoring": {"ServiceMonitor"}, "scheduler": {"RoleBinding"}}
 
 
 def agent_settings(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -43,7 +46,7 @@ def agent_settings(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> Settings
 def test_each_kustomization_builds_and_validates_strictly(directory: str) -> None:
     docs = render(directory)
     kinds = {d["kind"] for d in docs}
-    extra = {"Service", "ServiceMonitor"} if directory.endswith("monitoring") else set()
+    extra = OVERLAY_KINDS.get(directory.rsplit("/", 1)[-1], set())
     assert kinds == BASE_KINDS | extra
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
@@ -207,7 +210,8 @@ def test_the_rbac_is_rendered_exactly_as_written(directory: str) -> None:
     written = load_yaml("deploy/base/rbac.yaml")
     kinds = {d["kind"] for d in written}
     assert kinds == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
-    assert [d for d in render(directory) if d["kind"] in kinds] == written
+    names = {(d["kind"], d["metadata"]["name"]) for d in written}
+    assert [d for d in render(directory) if (d["kind"], d["metadata"]["name"]) in names] == written
 
 
 def test_the_monitoring_overlay_scrapes_every_agent() -> None:

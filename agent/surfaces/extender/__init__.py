@@ -1,0 +1,1 @@
+"""The kube-scheduler extender service: wire format, HTTP server, request handlers."""
