@@ -11,10 +11,10 @@ from prometheus_client.registry import Collector
 from agent.control.enforcer import DURATION_BUCKETS_S
 from agent.platform.gpu.inventory import GpuInfo
 from agent.surfaces.enforcementnode import EnforcementIntegration
+from agent.surfaces.metrics.families import CONTAINER_LABELS, adder, container_labels
 
 MIB = 1024 * 1024
 GPU_LABELS = ["node", "gpu", "uuid", "model"]
-CONTAINER_LABELS = ["node", "namespace", "pod", "container", "gpu"]
 MetricFamily = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
 
@@ -82,17 +82,21 @@ class EnforcementCollector(Collector):
             "GPU memory the container's processes hold (max of NVML and the ioctl tracer)",
             labels=CONTAINER_LABELS,
         )
+        add_util, add_duty, add_target = adder(util), adder(duty), adder(target)
+        add_frozen, add_actions, add_mem = adder(frozen), adder(actions), adder(mem)
+        node = self._node
         for control in self._enforcement.enforcer.controls():
             spec = control.spec
-            labels = [self._node, spec.namespace, spec.pod, spec.container, ",".join(map(str, spec.gpus))]
-            util.add_metric(labels, control.used / 100)
-            duty.add_metric(labels, control.state.duty)
+            labels = container_labels(node, spec)  # one dict, shared by the container's samples
+            add_util(labels, control.used / 100)
+            add_duty(labels, control.state.duty)
             if control.goal is not None:
-                target.add_metric(labels, control.goal / 100)
-            frozen.add_metric(labels, control.frozen_s)
-            actions.add_metric(labels, float(control.freezes))
-            if spec.label in memory:
-                mem.add_metric(labels, float(memory[spec.label] * MIB))
+                add_target(labels, control.goal / 100)
+            add_frozen(labels, control.frozen_s)
+            add_actions(labels, float(control.freezes))
+            used_mib = memory.get(spec.label)
+            if used_mib is not None:
+                add_mem(labels, float(used_mib * MIB))
         yield from (util, duty, target, frozen, actions, mem)
         quota = CounterMetricFamily(
             "vcuda_memory_quota_actions",

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.errors import PlatformError
+from agent.surfaces.metrics.exposition import CONTENT_TYPE, render
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class MetricsServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, generate_latest(server._registry), CONTENT_TYPE_LATEST)
+                    self._send(200, render(server._registry), CONTENT_TYPE)
                 elif path == "/healthz":
                     self._send(200, b"ok\n")
                 elif path == "/readyz":

@@ -13,10 +13,10 @@ from agent.control.recovery import LedgerRecovery
 from agent.domain.ledger import Ledger
 from agent.domain.specs import EnforcementSpec
 from agent.platform.gpu.inventory import GpuInfo
+from agent.surfaces.metrics.families import CONTAINER_LABELS, adder, container_labels
 
 _MIB = 1024 * 1024
 _GPU = ["node", "gpu", "uuid", "model"]
-_CONTAINER = ["node", "namespace", "pod", "container", "gpu"]
 
 
 class KubeView(Protocol):
@@ -69,27 +69,30 @@ class AllocationCollector(Collector):
     @staticmethod
     def _containers(specs: list[EnforcementSpec], node: str) -> Iterator[GaugeMetricFamily]:
         request = GaugeMetricFamily(
-            "vcuda_container_request_cores", "vcuda-core requested by the container", labels=_CONTAINER
+            "vcuda_container_request_cores", "vcuda-core requested by the container", labels=CONTAINER_LABELS
         )
         cap = GaugeMetricFamily(
             "vcuda_container_cap_ratio",
             "Utilization cap as a fraction of one GPU (absent for whole GPUs)",
-            labels=_CONTAINER,
+            labels=CONTAINER_LABELS,
         )
         quota = GaugeMetricFamily(
             "vcuda_container_memory_quota_bytes",
             "GPU memory quota (absent for whole GPUs)",
-            labels=_CONTAINER,
+            labels=CONTAINER_LABELS,
         )
         policy = GaugeMetricFamily(
-            "vcuda_container_policy_info", "The container's isolation policy", labels=[*_CONTAINER, "policy"]
+            "vcuda_container_policy_info",
+            "The container's isolation policy",
+            labels=[*CONTAINER_LABELS, "policy"],
         )
+        add_request, add_cap, add_quota, add_policy = adder(request), adder(cap), adder(quota), adder(policy)
         for spec in specs:
-            labels = [node, spec.namespace, spec.pod, spec.container, ",".join(map(str, spec.gpus))]
-            request.add_metric(labels, float(spec.cores))
+            labels = container_labels(node, spec)  # one dict, shared by the container's samples
+            add_request(labels, float(spec.cores))
             if spec.cap is not None:
-                cap.add_metric(labels, spec.cap / 100)
+                add_cap(labels, spec.cap / 100)
             if spec.memory_quota_mib is not None:
-                quota.add_metric(labels, float(spec.memory_quota_mib * _MIB))
-            policy.add_metric([*labels, spec.policy.value], 1.0)
+                add_quota(labels, float(spec.memory_quota_mib * _MIB))
+            add_policy({**labels, "policy": spec.policy.value}, 1.0)
         yield from (request, cap, quota, policy)

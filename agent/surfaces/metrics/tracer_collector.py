@@ -19,11 +19,13 @@ from agent.errors import VcudaError
 from agent.platform.bpf.ioctl_stats import IoctlSnapshot
 from agent.platform.bpf.nvioctl import escape_name
 from agent.platform.cgroups.paths import ContainerRef
+from agent.surfaces.metrics.families import adder
 
 log = logging.getLogger(__name__)
 
 INDEX_TTL_S = 5.0
-LABELS = ["node", "namespace", "pod", "container"]
+LABELS = ("node", "namespace", "pod", "container")
+CALL_LABELS = (*LABELS, "escape")
 
 
 class SnapshotSource(Protocol):
@@ -78,13 +80,14 @@ class TracerCollector(Collector):
         except VcudaError as err:
             log.debug("ioctl tracer snapshot: %s", err)
             return
-        names = {ContainerRef(s.pod_uid, s.container_id): s for s in self._specs() if s.container_id}
+        # Plain (pod UID, container ID) keys: ContainerRef's generated hash is a Python call.
+        names = {(s.pod_uid, s.container_id): s for s in self._specs() if s.container_id}
         index = self._index.get()
         calls: dict[tuple[str, ...], int] = {}
         allocated: dict[tuple[str, ...], int] = {}
         for stats in snapshot.processes.values():
             ref = index.get(stats.cgroup_id)
-            spec = names.get(ref) if ref is not None else None
+            spec = names.get((ref.pod_uid, ref.container_id)) if ref is not None else None
             if spec is None:
                 continue  # not a container the agent knows: no names to label it with
             labels = (self._node, spec.namespace, spec.pod, spec.container)
@@ -96,17 +99,19 @@ class TracerCollector(Collector):
             "vcuda_container_ioctl_calls",
             "NVIDIA ioctls by escape of the container's live processes, from the eBPF tracer "
             "(drops when a process exits: read as a counter reset)",
-            labels=[*LABELS, "escape"],
+            labels=CALL_LABELS,
         )
+        add_calls = adder(ioctls)
         for call_key, count in sorted(calls.items()):
-            ioctls.add_metric(list(call_key), float(count))
+            add_calls(dict(zip(CALL_LABELS, call_key, strict=True)), float(count))
         memory = CounterMetricFamily(
             "vcuda_container_gpu_memory_allocated_bytes",
             "Video memory the container's live processes allocated (RM_ALLOC), frees not subtracted, "
             "from the eBPF tracer",
             labels=LABELS,
         )
+        add_allocated = adder(memory)
         for container, total in sorted(allocated.items()):
-            memory.add_metric(list(container), float(total))
+            add_allocated(dict(zip(LABELS, container, strict=True)), float(total))
         yield ioctls
         yield memory
