@@ -1,6 +1,20 @@
 """`python -m agent` runs the CLI."""
 
-from agent.surfaces.cli.main import main
+import sys
+
+SIM_COMMANDS = ("sim-workload", "sim-event")
+
+
+def _main() -> int:
+    if sys.argv[1:2] and sys.argv[1] in SIM_COMMANDS:
+        # The light path: simulated workloads must start fast (see agent.surfaces.cli.sim.sim_main).
+        from agent.surfaces.cli.sim import sim_main  # noqa: PLC0415
+
+        return sim_main(sys.argv[1:])
+    from agent.surfaces.cli.main import main  # noqa: PLC0415
+
+    return main()
+
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main())

@@ -456,3 +456,47 @@ def test_constructor_accepts_an_initialized_module(fake: FakeNvml, sysfs: Path) 
     assert len(backend.gpus()) == 4
     backend.close()
     assert fake.init_count == 0
+
+
+def _mapped_library(name: str) -> Path:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith(name):
+            return Path(path)
+    raise AssertionError(f"{name} is not mapped into this process")
+
+
+def _fake_without_library_on_the_path() -> FakeNvml:
+    """pynvml's behaviour under plain runc: nvmlInit fails while no library is loaded."""
+    fake = FakeNvml(four_gpus())
+    fake.nvmlLib = None  # type: ignore[attr-defined]
+    init = fake.nvmlInit
+
+    def nvml_init() -> None:
+        if fake.nvmlLib is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        init()
+
+    fake.nvmlInit = nvml_init  # type: ignore[method-assign]
+    return fake
+
+
+def test_nvml_is_loaded_from_the_driver_root_when_not_found_by_name(tmp_path: Path, sysfs: Path) -> None:
+    lib_dir = tmp_path / "host/usr/lib/x86_64-linux-gnu"
+    lib_dir.mkdir(parents=True)
+    # A link to a library this process already has: dlopen returns the same handle.
+    (lib_dir / "libnvidia-ml.so.1").symlink_to(_mapped_library("libm.so"))
+    fake = _fake_without_library_on_the_path()
+    backend = open_nvml_backend(fake, sysfs, driver_root=tmp_path / "host")
+    try:
+        assert fake.nvmlLib is not None
+        assert len(backend.gpus()) == 4
+    finally:
+        backend.close()
+
+
+def test_no_library_under_the_driver_root_keeps_the_original_error(tmp_path: Path, sysfs: Path) -> None:
+    fake = _fake_without_library_on_the_path()
+    with pytest.raises(NvmlError, match="no NVIDIA driver") as info:
+        open_nvml_backend(fake, sysfs, driver_root=tmp_path)
+    assert info.value.code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND

@@ -39,6 +39,11 @@ from agent.settings import GuardMode
 
 log = logging.getLogger(__name__)
 
+
+class TargetsNotReadyError(VcudaError):
+    """The target list cannot be known yet (the pod cache has not synced): skip the pass."""
+
+
 DEFAULT_INTERVAL_S = 2.0
 
 
@@ -154,6 +159,12 @@ class DeviceGuard:
         try:
             desired = {t.key: t for t in self._targets()}
             self._rules.set_majors(read_nvidia_majors(self._proc_root))
+        except TargetsNotReadyError as err:
+            # Start-up, not a failure: nothing to apply yet, and nothing may be taken back.
+            if self._problems.get("targets") != str(err):
+                self._problems["targets"] = str(err)
+                log.info("device guard pass skipped: %s", err)
+            return report
         except VcudaError as err:
             # Without the desired set nothing may be removed: keep every rule as it is.
             self._fail("targets", f"device guard pass skipped: {err}", report)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from agent.control.deviceguard import GuardTarget
+from agent.control.deviceguard import GuardTarget, TargetsNotReadyError
 from agent.domain.ledger import Ledger
-from agent.errors import KubeError
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.kube.podcache import PodCache
 from agent.platform.kube.pods import PodInfo
@@ -34,10 +33,10 @@ class GuardTargets:
         self._own = own_pod_uid
 
     def __call__(self) -> list[GuardTarget]:
-        """The targets now; raises KubeError while the pod cache has not synced, so the guard
-        keeps its rules instead of taking them all back for an empty list."""
+        """The targets now; raises TargetsNotReadyError while the pod cache has not synced, so
+        the guard keeps its rules instead of taking them all back for an empty list."""
         if not self._pods.stats().synced:
-            raise KubeError("the pod cache has not synced yet; device rules stay as they are")
+            raise TargetsNotReadyError("the pod cache has not synced yet; device rules stay as they are")
         targets: list[GuardTarget] = []
         for pod in self._pods.pods():
             if pod.finished or self._exempt(pod):

@@ -14,7 +14,6 @@ controllers (only the v2 directory is made; the freezer needs none).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ class RunningContainer:
     key: str  # namespace/pod/container
     cgroup: Path
     proc: subprocess.Popen[bytes]
+    gpu: int = -1  # the simulated GPU index it runs on (-1: not given)
 
     @property
     def pid(self) -> int:
@@ -69,12 +69,11 @@ class ContainerRuntime:
         if command is not None:
             cmd = list(command)
 
-        def join_cgroup() -> None:  # runs in the child between fork and exec
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        proc = subprocess.Popen(cmd, preexec_fn=join_cgroup)  # noqa: PLW1509 (no threads in the child)
-        running = RunningContainer(key, cgroup, proc)
+        # A shell joins the cgroup, then execs the workload (same pid): no preexec_fn, so
+        # subprocess can vfork and gRPC's fork handlers in this process stay out of it.
+        join = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *cmd]
+        proc = subprocess.Popen(join)
+        running = RunningContainer(key, cgroup, proc, gpu)
         self.containers.append(running)
         return running
 

@@ -42,7 +42,11 @@ class NodeAgent:
         self.settings = settings
         self.node_name = settings.node_name
         sim = settings.simulation
-        self.backend = backend or open_backend(sim.spec, settings.node_name, sim.state_dir, sim.cores)
+        plugin = settings.plugin
+        driver_root = plugin.driver_root_in_agent or plugin.driver_root
+        self.backend = backend or open_backend(
+            sim.spec, settings.node_name, sim.state_dir, sim.cores, driver_root
+        )
         try:
             self._build(settings, config)
         except BaseException:

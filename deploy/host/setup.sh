@@ -69,4 +69,10 @@ if [ ! -d /sys/kernel/tracing/events ]; then
     say "warning: could not mount tracefs at /sys/kernel/tracing; BPF tracepoints will be unavailable"
   fi
 fi
+# 4. Prometheus, which the dashboard test runs on loopback against the demo's agent. The
+# package would enable a system service on :9090; the test starts its own instance instead.
+if [ -n "$(missing_packages prometheus)" ]; then
+  apt_install prometheus
+  systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
 say "host ready"

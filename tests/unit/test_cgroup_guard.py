@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.clock import VirtualClock
-from agent.control.deviceguard import DeviceGuard, GuardTarget, default_rules
+from agent.control.deviceguard import DeviceGuard, GuardTarget, TargetsNotReadyError, default_rules
 from agent.errors import PlatformError
 from agent.platform.cgroups.detect import CgroupDriver
 from agent.platform.cgroups.devicepolicy import DevicePolicy, GuardError, NvidiaMajors, Outcome
@@ -249,3 +249,23 @@ def test_default_rules_follow_the_layout(tmp_path: Path) -> None:
     hybrid = CgroupLayout(CgroupMode.HYBRID, tmp_path / "unified", {"devices": tmp_path / "devices"})
     assert isinstance(default_rules(hybrid), V1DeviceRules)
     assert isinstance(default_rules(CgroupLayout(CgroupMode.V2, tmp_path)), BpfDeviceRules)
+
+
+def test_targets_not_ready_at_start_up_skip_the_pass_without_an_error(tree: Path) -> None:
+    rules = RecordingRules()
+    path = scope(tree, UID_A, CID_1)
+    ready = threading.Event()
+
+    def targets() -> list[GuardTarget]:
+        if not ready.is_set():
+            raise TargetsNotReadyError("the pod cache has not synced yet")
+        return [target(UID_A, CID_1, frozenset({0}), "a")]
+
+    resolver = CgroupResolver(CgroupLayout(CgroupMode.V2, v2_root=tree / "cg"), CgroupDriver.CGROUPFS)
+    guard = DeviceGuard(targets, resolver, rules, proc_root=tree / "proc")
+    report = guard.reconcile_once()
+    assert report.errors == [] and path not in rules.in_place
+    ready.set()
+    guard.reconcile_once()
+    assert path in rules.in_place
+    assert guard.stats().errors == 0

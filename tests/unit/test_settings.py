@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,8 +113,12 @@ def test_run_options(tmp_path: Path) -> None:
         "--driver-root-in-agent=/driver",
         "--ignored-xids=13",
         "--metrics-address=[::1]:0",
+        "--host-root=/host",
+        "--kubelet-config=/host/k.yaml",
     )
     assert s.node_name == "n1"
+    assert s.cgroups.host_root == Path("/host")
+    assert s.cgroups.kubelet_config == Path("/host/k.yaml")
     assert s.use_kube is False
     assert s.metrics.enabled is False
     assert s.config_file == tmp_path / "c.json"
@@ -205,3 +211,18 @@ def test_subcommand_is_required(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser().parse_args([])
     assert info.value.code == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+def test_simulated_workloads_start_without_the_heavy_imports() -> None:
+    """`python -m agent sim-workload` skips the full CLI: no Kubernetes client, gRPC, metrics."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "agent", "sim-workload", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--driver-ioctls" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    heavy = {m for m in imported if m.split(".")[0] in ("kubernetes", "grpc", "prometheus_client", "rich")}
+    assert not heavy, sorted(heavy)[:10]
+    assert "agent.surfaces.cli.sim" in imported

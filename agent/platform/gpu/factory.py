@@ -11,8 +11,14 @@ from agent.platform.gpu.simulated import SimulatedBackend
 
 
 def open_backend(
-    simulate: str | None, node_name: str, sim_state_dir: Path, sim_cores: Sequence[int] | None = None
+    simulate: str | None,
+    node_name: str,
+    sim_state_dir: Path,
+    sim_cores: Sequence[int] | None = None,
+    driver_root: Path | None = None,
 ) -> GpuBackend:
+    """``driver_root``: where this process sees the driver's files, searched for NVML when
+    the library is not found by name."""
     if simulate:
         return SimulatedBackend(simulate, node_name, sim_state_dir, cores=sim_cores)
-    return open_nvml_backend()
+    return open_nvml_backend(driver_root=driver_root)

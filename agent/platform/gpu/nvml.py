@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from agent.errors import GpuLostError, NoSuchGpuError, NvmlError
+from agent.platform.driverfiles import LIBRARY_DIRS
 from agent.platform.gpu.inventory import (
     DeviceEvent,
     EventKind,
@@ -366,8 +367,39 @@ def _init_hint(nvml: ModuleType, code: int) -> str:
     return "NVML could not be initialized"
 
 
-def open_nvml_backend(nvml: ModuleType | None = None, sysfs_root: Path = Path("/sys")) -> NvmlBackend:
-    """Initialize NVML and read the inventory. ``nvml`` defaults to ``pynvml``, imported here."""
+NVML_LIBRARY = "libnvidia-ml.so.1"
+
+
+def find_nvml_library(driver_root: Path) -> Path | None:
+    """``libnvidia-ml.so.1`` under a driver root as this process sees it (e.g. the host's /
+    at /host in a pod under plain runc, where no runtime injected the library)."""
+    for directory in LIBRARY_DIRS:
+        candidate = driver_root / directory / NVML_LIBRARY
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _load_from_driver_root(nvml: ModuleType, driver_root: Path) -> bool:
+    """Point pynvml at the driver root's NVML (pynvml loads ``nvmlLib`` only while it is None)."""
+    library = find_nvml_library(driver_root)
+    if library is None or getattr(nvml, "nvmlLib", None) is not None:
+        return False
+    try:
+        setattr(nvml, "nvmlLib", ctypes.CDLL(str(library)))  # noqa: B010  (a module global of pynvml)
+    except OSError as err:
+        log.warning("cannot load %s: %s", library, err)
+        return False
+    log.info("NVML loaded from the driver root: %s", library)
+    return True
+
+
+def open_nvml_backend(
+    nvml: ModuleType | None = None, sysfs_root: Path = Path("/sys"), driver_root: Path | None = None
+) -> NvmlBackend:
+    """Initialize NVML and read the inventory. ``nvml`` defaults to ``pynvml``, imported here.
+    When the library is not found by name, ``driver_root`` (this process's view of the
+    driver's files) is searched for it."""
     if nvml is None:
         try:
             nvml = importlib.import_module("pynvml")
@@ -378,7 +410,13 @@ def open_nvml_backend(nvml: ModuleType | None = None, sysfs_root: Path = Path("/
                 "the agent with --simulate on a node without GPUs",
             ) from err
     try:
-        nvml.nvmlInit()
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as err:
+            missing = int(err.value) == int(nvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+            if not (missing and driver_root is not None and _load_from_driver_root(nvml, driver_root)):
+                raise
+            nvml.nvmlInit()
     except nvml.NVMLError as err:
         code = int(err.value)
         raise NvmlError(code, f"{err}: {_init_hint(nvml, code)}") from err

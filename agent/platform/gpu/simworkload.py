@@ -1,5 +1,6 @@
 """A simulated GPU workload: a process pinned to its GPU's CPU core that burns a
-chosen share of that core and declares an amount of GPU memory."""
+chosen share of that core and declares an amount of GPU memory (and, optionally, makes
+the driver calls the ioctl tracer attributes: ``simdriver.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import InvalidSpecError, PlatformError, SimulationError
+from agent.platform.gpu.simdriver import SimDriverCalls
 from agent.platform.gpu.simstate import SimProcess, SimStateDir
 from agent.platform.procfs import ProcFS
 
@@ -24,6 +26,7 @@ class WorkloadSpec:
     period_s: float = 0.05  # one busy/idle cycle
     grow_to_mib: int | None = None  # after grow_after_s, declare this much memory instead
     grow_after_s: float = 0.0
+    driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (simdriver.py)
 
     def validate(self) -> None:
         if not 0.0 <= self.busy <= 1.0:
@@ -51,15 +54,26 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
         me = ProcFS().identity(os.getpid())
     except PlatformError as err:
         raise SimulationError(f"cannot read this process's start time: {err}") from err
+    driver = SimDriverCalls() if spec.driver_ioctls else None
+    if driver is not None:
+        driver.allocate(spec.memory_mib)
     state.register_process(SimProcess(me.pid, me.start_ticks, spec.gpu, spec.memory_mib))
     grow = None
     if spec.grow_to_mib is not None:
         grow_to = spec.grow_to_mib
-        grow = _Growth(time.monotonic() + spec.grow_after_s, lambda: state.update_memory(me.pid, grow_to))
+
+        def apply_growth() -> None:
+            if driver is not None:
+                driver.allocate(grow_to - spec.memory_mib)
+            state.update_memory(me.pid, grow_to)
+
+        grow = _Growth(time.monotonic() + spec.grow_after_s, apply_growth)
     try:
-        _burn(spec, stop, grow)
+        _burn(spec, stop, grow, driver)
     finally:
         state.unregister_process(me.pid)
+        if driver is not None:
+            driver.close()
 
 
 class _Growth:
@@ -75,7 +89,12 @@ class _Growth:
             apply()
 
 
-def _burn(spec: WorkloadSpec, stop: threading.Event, grow: _Growth | None = None) -> None:
+def _burn(
+    spec: WorkloadSpec,
+    stop: threading.Event,
+    grow: _Growth | None = None,
+    driver: SimDriverCalls | None = None,
+) -> None:
     """Each period, use ``busy x period`` of CPU time, then sleep to the period's end.
 
     Pacing by CPU time, not wall time, keeps the share right when the process is
@@ -88,6 +107,8 @@ def _burn(spec: WorkloadSpec, stop: threading.Event, grow: _Growth | None = None
     while not stop.is_set() and (end is None or time.monotonic() < end):
         if grow is not None:
             grow.due(time.monotonic())
+        if driver is not None:
+            driver.control()
         cycle_end += spec.period_s
         cpu_start = time.process_time()
         give_up = cycle_end + spec.period_s  # a starved process must still notice stop

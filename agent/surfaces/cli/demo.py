@@ -1,15 +1,22 @@
-"""A simulated GPU node at work: starts `vcuda-agent run --simulate` as a real process
-against an emulated kube-apiserver (real Kubernetes JSON over HTTP) and an emulated
-kubelet (the real device plugin and pod-resources APIs), admits the example pods,
-shows what the agent published and annotated, injects a GPU fault, a kubelet
-restart and an agent crash, and stops the agent with SIGTERM. Then a second node runs
-pods as real processes in real cgroups to show the limits held: compute caps by policy,
-a memory quota, and the watchdog thawing everything when the agent is SIGKILLed."""
+"""A simulated GPU node at work, in two acts.
+
+First (skip with ``--no-intro``), the device plugin: `vcuda-agent run --simulate` as a
+real process against an emulated kube-apiserver (real Kubernetes JSON over HTTP) and an
+emulated kubelet (the real device plugin and pod-resources APIs) admits the example pods,
+shows what it published and annotated, survives a GPU fault, a kubelet restart and its own
+crash, and stops on SIGTERM.
+
+Then, live: a 2-GPU node whose pods run as real processes in real container cgroups, with
+a table refreshed every second showing each pod's use against its cap, its memory, its
+duty cycle and the agent's actions, for ``--duration`` seconds (default: until Ctrl-C on a
+terminal, 30 s otherwise). Ctrl-C at any point stops everything and leaves no process,
+cgroup or frozen workload behind."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from agent.domain.ids import decode
 from agent.emulators.apiserver import FakeApiServer
 from agent.emulators.cluster import EmulatedNode
@@ -31,7 +40,7 @@ from agent.emulators.simnode import sim_agent_command
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.simstate import SimStateDir
-from agent.surfaces.cli import demo_enforcement
+from agent.surfaces.cli import demo_live
 from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines, section
 
 EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
@@ -39,11 +48,32 @@ EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
 
 def main(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vcuda-demo-"))
+    # gRPC's C core logs every fork while the kubelet emulator's channels are open: noise here.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    # The first Ctrl-C (or SIGTERM) unwinds through every clean-up; later ones must not cut it short.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt_once)
     try:
-        return Demo(workdir, args.simulate).run()
-    except VcudaError as err:
-        print(f"\ndemo failed: {err}\n(agent log: {workdir / 'agent.log'})", file=sys.stderr)
+        if not args.no_intro:
+            code = Demo(workdir, args.simulate).run()
+            if code:
+                return code
+        console = Console(highlight=False, width=None if sys.stdout.isatty() else demo_live.LOG_WIDTH)
+        demo_live.run(workdir / "live", args.duration, args.metrics_address, console)
+    except KeyboardInterrupt:
+        print("\ninterrupted: agents, workloads and their cgroups removed, nothing left frozen")
+        return 130
+    except (VcudaError, TimeoutError) as err:
+        print(f"\ndemo failed: {err}\n(agent logs in {workdir})", file=sys.stderr)
         return 1
+    print(f"\ndemo finished; agent logs in {workdir}")
+    return 0
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _free_port() -> int:
@@ -83,8 +113,6 @@ class Demo:
         finally:
             self.kubelet.stop()
             self.api.stop()
-        if code == 0:
-            demo_enforcement.run(self.workdir / "enforcement")
         return code
 
     @contextlib.contextmanager

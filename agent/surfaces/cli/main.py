@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Sequence
 
 from agent import __version__
@@ -12,14 +10,14 @@ from agent.settings import (
     DEFAULT_BPF_DIR,
     DEFAULT_PLUGIN_DIR,
     DEFAULT_POD_RESOURCES_SOCKET,
-    DEFAULT_SIM_STATE_DIR,
     ActuatorMode,
     DeviceListStrategy,
     EnforcementSettings,
     GuardMode,
     MemoryQuotaMode,
 )
-from agent.surfaces.cli import demo, run, sim, status
+from agent.surfaces.cli import demo, extender, run, sim, status
+from agent.surfaces.cli.common import common_options, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Start with `vcuda-agent demo` to see a simulated 2-GPU node at work.",
     )
     parser.add_argument("--version", action="version", version=f"vcuda-agent {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity (default INFO)",
-    )
+    common = common_options()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("run", parents=[common], help="run the node agent", description=run.__doc__)
@@ -129,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="kubelet's config file, for cgroupDriver (default /var/lib/kubelet/config.yaml)",
     )
+    p.add_argument(
+        "--host-root",
+        default="/",
+        metavar="DIR",
+        help="where the host's / is seen, to find the container runtime's socket (default /; /host in a pod)",
+    )
     p.add_argument("--no-ioctl-tracing", action="store_true", help="no eBPF ioctl tracer: NVML alone")
     p.add_argument(
         "--bpf-dir",
@@ -142,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the generated BPF programs (ioctl tracer, device guard) and exit",
     )
     _add_enforcement_options(p)
-    _add_sim_state_dir(p)
+    sim.add_sim_state_dir(p)
     p.add_argument(
         "--sim-cores",
         metavar="LIST",
@@ -161,58 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep sockets, state and the agent log here (default: a temp dir)",
     )
-    p.add_argument("--simulate", default="2xH100-80GB", metavar="SPEC", help="GPUs of the demo node")
+    p.add_argument("--simulate", default="2xH100-80GB", metavar="SPEC", help="GPUs of the first act's node")
+    p.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="seconds the live table runs (default: until Ctrl-C on a terminal, 30 s otherwise)",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="where the live act's agent serves /metrics (default: a free port on loopback)",
+    )
+    p.add_argument("--no-intro", action="store_true", help="skip the first act (the device plugin story)")
     p.set_defaults(func=demo.main)
 
-    _add_sim_commands(sub, common)
+    sim.add_parsers(sub, common)
     status.add_parser(sub, common)
+    extender.add_parser(sub, common)
     return parser
-
-
-def _add_sim_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    p = sub.add_parser(
-        "sim-workload",
-        parents=[common],
-        help="a workload on a simulated GPU (burns its CPU core)",
-        description=sim.workload_main.__doc__,
-    )
-    p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
-    p.add_argument("--memory-mib", type=int, default=0, help="GPU memory this workload declares, in MiB")
-    p.add_argument("--busy", type=float, default=1.0, help="share of the GPU (its CPU core) to use, 0..1")
-    p.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM/SIGINT)")
-    p.add_argument(
-        "--grow-to-mib",
-        type=int,
-        metavar="N",
-        help="after --grow-after seconds, declare N MiB of GPU memory instead (to try memory quotas)",
-    )
-    p.add_argument(
-        "--grow-after",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="seconds before --grow-to-mib applies (default 0)",
-    )
-    _add_sim_state_dir(p)
-    p.set_defaults(func=sim.workload_main)
-
-    p = sub.add_parser(
-        "sim-event",
-        parents=[common],
-        help="inject a health event into a simulated GPU",
-        description=sim.event_main.__doc__,
-    )
-    p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
-    kind = p.add_mutually_exclusive_group(required=True)
-    kind.add_argument(
-        "--xid", type=int, help="an XID error, e.g. 79 (fell off the bus) or 48 (double-bit ECC)"
-    )
-    kind.add_argument("--lost", action="store_true", help="the GPU falls off the bus")
-    kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
-    _add_sim_state_dir(p)
-    p.set_defaults(func=sim.event_main)
 
 
 def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
@@ -271,21 +237,8 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sim_state_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--sim-state-dir",
-        default=str(DEFAULT_SIM_STATE_DIR),
-        metavar="DIR",
-        help=f"state shared by the simulated node and its workloads (default {DEFAULT_SIM_STATE_DIR})",
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     code: int = args.func(args)
     return code

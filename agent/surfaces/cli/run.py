@@ -83,6 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         cgroups=CgroupSettings(
             root=Path(args.cgroup_root),
             kubelet_config=Path(args.kubelet_config),
+            host_root=Path(args.host_root),
             device_guard=GuardMode(args.device_guard),
             own_pod_uid=args.own_pod_uid or os.environ.get("POD_UID", ""),
         ),

@@ -1,0 +1,248 @@
+"""The demo's live act: a simulated 2-GPU node whose pods run as real processes in real
+container cgroups (``agent.emulators.enforcednode``), with a table refreshed every second
+that shows each pod's use against its cap, its memory against its quota, the duty cycle
+the agent holds it to and the agent's last action on it.
+
+The story: GPU 0 is shared by the example pod ``cuda-share-50`` (capped at 50 %), a
+fixed-share 30 pod, a best-effort pod that soaks up what is left and a pod that grows past
+its memory quota and is killed; GPU 1 runs a burst-share pod alone (it borrows the idle
+GPU) until a fixed-share neighbour arrives and it is brought back to its request. An
+ignored XID 13 shows in the metrics. Then the agent is SIGKILLed while it throttles and the
+watchdog thaws every container."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from agent.domain.annotations import CORE_LIMIT, POLICY
+from agent.emulators.containers import RunningContainer
+from agent.emulators.enforcednode import EnforcedNode, cpu_seconds, enforced_node, frozen, wait_for
+from agent.errors import VcudaError
+from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.simstate import SimStateDir
+from agent.surfaces.cli.demo_table import PodRow, gpu_line, pod_table
+from agent.surfaces.statusclient import fetch_status
+
+LOG_WIDTH = 150  # columns of the table when stdout is not a terminal (CI logs)
+NON_INTERACTIVE_S = 30.0  # --duration default when stdout is not a terminal
+PRINT_EVERY_S = 10.0
+EVENT_LINES = 4  # how often a non-terminal run prints the table
+XID_AT_S = 3.0
+NEIGHBOUR_AT_S = 14.0
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    name: str
+    cores: int
+    annotations: dict[str, str] = field(default_factory=dict)
+    memory_mib: int = 1024
+    busy: float = 1.0
+    grow: tuple[str, ...] = ()  # sim-workload options that make it grow past its quota
+    workload_mib: int = 0
+    # Its RM_ALLOC / RM_CONTROL ioctls, as a CUDA process makes them: the tracer attributes them.
+    driver: tuple[str, ...] = ("--driver-ioctls",)
+
+
+# Admission order matters: the agent binpacks shares, so the first four fill GPU 0.
+PODS = (
+    PodPlan("cuda-share-50", 50, {CORE_LIMIT: "50"}, memory_mib=2048, workload_mib=1600),
+    PodPlan("fixed-30", 30, {POLICY: "fixed-share"}, workload_mib=600),
+    PodPlan("best-effort-10", 10, {POLICY: "best-effort"}, busy=0.1, workload_mib=300),
+    PodPlan(
+        "leaky-10",
+        10,
+        {POLICY: "fixed-share"},
+        busy=0.1,
+        workload_mib=800,
+        grow=("--grow-to-mib", "1500", "--grow-after", "8"),
+    ),
+    PodPlan("burst-40", 40, {POLICY: "burst-share"}, busy=0.75, workload_mib=900),  # alone: up to 75 %
+)
+NEIGHBOUR = PodPlan("fixed-50", 50, {POLICY: "fixed-share"}, workload_mib=700)
+
+
+@dataclass
+class Tracked:
+    plan: PodPlan
+    box: RunningContainer
+    cpu: float = 0.0  # its CPU seconds at ``sampled``
+    sampled: float = 0.0  # time.monotonic() of that reading
+
+
+def sim_cores() -> str:
+    """Two cores for the two simulated GPUs: the last two, or what there is."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in cores[-2:])
+
+
+def run(workdir: Path, duration: float | None, metrics_address: str, console: Console) -> None:
+    """Runs until ``duration`` seconds have passed (None: until Ctrl-C). Needs root and a
+    cgroup v2 hierarchy; raises PlatformError where there is none."""
+    logging.getLogger("agent.emulators").setLevel(logging.WARNING)  # the table tells the story
+    agent_args = ("--metrics-address", metrics_address)
+    with enforced_node(workdir, "2xH100-80GB", sim_cores=sim_cores(), agent_args=agent_args) as node:
+        url = wait_for(lambda: _metrics_url(node), 10, "the agent's metrics address")
+        console.print(f"metrics: {url}  (Prometheus can scrape it; `vcuda-agent status` works too)")
+        console.print(f"status: vcuda-agent status --socket {node.state_dir / 'status.sock'}")
+        console.print(f"cgroups: {node.cgroup_root}")
+        started = time.monotonic()  # t = 0 of the table and of --duration
+        pods = [_start(node, plan, console) for plan in PODS]
+        LiveAct(node, pods, duration, console, started).run()
+        _crash(node, [p.box for p in pods], console)
+
+
+def _metrics_url(node: EnforcedNode) -> str | None:
+    for line in node.agent_log().splitlines():
+        if "metrics on http://" in line:
+            return line.split("metrics on ", 1)[1].split()[0]
+    return None
+
+
+def _start(node: EnforcedNode, plan: PodPlan, console: Console) -> Tracked:
+    box = node.run_pod(
+        plan.name,
+        plan.cores,
+        memory_mib=plan.memory_mib,
+        busy=plan.busy,
+        annotations=plan.annotations,
+        workload_mib=plan.workload_mib,
+        extra=plan.grow + plan.driver,
+    )
+    console.print(f"admitted pod {plan.name} ({plan.cores} cores, {plan.memory_mib} MiB) on GPU {box.gpu}")
+    return Tracked(plan, box, cpu_seconds(box.pid), time.monotonic())
+
+
+class LiveAct:
+    def __init__(
+        self,
+        node: EnforcedNode,
+        pods: list[Tracked],
+        duration: float | None,
+        console: Console,
+        started: float,
+    ) -> None:
+        self.node = node
+        self.pods = pods
+        self.console = console
+        self.interactive = console.is_terminal
+        self.duration = duration if duration is not None or self.interactive else NON_INTERACTIVE_S
+        self.started = started
+        self.seen_actions: set[tuple[float, str, str]] = set()
+        self.events: list[str] = []  # the kills so far, shown under the live table
+        self.steps: list[tuple[float, Callable[[], None]]] = [
+            (XID_AT_S, self._xid),
+            (NEIGHBOUR_AT_S, self._neighbour),
+        ]
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def run(self) -> None:
+        if self.interactive:
+            with Live(console=self.console, auto_refresh=False, transient=False) as live:
+                self._loop(lambda view: live.update(view, refresh=True))
+        else:
+            last_print = [0.0]
+
+            def show(view: Any) -> None:
+                if self.elapsed() - last_print[0] >= PRINT_EVERY_S or self._ending():
+                    last_print[0] = self.elapsed()
+                    self.console.print(view)
+
+            self._loop(show)
+
+    def _ending(self) -> bool:
+        return self.duration is not None and self.elapsed() >= self.duration
+
+    def _loop(self, show: Callable[[Any], None]) -> None:
+        while True:  # at least one table, however long the admissions took
+            tick = time.monotonic()
+            while self.steps and self.elapsed() >= self.steps[0][0]:
+                self.steps.pop(0)[1]()
+            show(self._view())
+            if self.duration is not None and self.elapsed() >= self.duration:
+                return
+            time.sleep(max(0.0, tick + 1.0 - time.monotonic()))
+
+    def _view(self) -> Group:
+        status = fetch_status(self.node.state_dir / "status.sock")
+        rows = [PodRow(p.plan.name, self._real(p), self._exited(p)) for p in self.pods]
+        left = "Ctrl-C to stop" if self.duration is None else f"of {self.duration:.0f} s"
+        title = f"vcuda-agent demo: t = {self.elapsed():4.0f} s {left}"
+        for line in self._new_actions(status):
+            if self.interactive:
+                self.events = [*self.events, line][-EVENT_LINES:]
+            else:
+                self.console.print(line)
+        parts: list[Any] = [pod_table(title, status, rows), Text(gpu_line(status), style="dim")]
+        return Group(*parts, *(Text(line) for line in self.events))
+
+    @staticmethod
+    def _real(pod: Tracked) -> float | None:
+        """Percent of its core the workload got since the last refresh (what the GPU gave it)."""
+        if pod.box.proc.poll() is not None:
+            return None
+        try:
+            cpu, now = cpu_seconds(pod.box.pid), time.monotonic()
+        except VcudaError:
+            return None
+        real = 100 * (cpu - pod.cpu) / max(now - pod.sampled, 1e-3)
+        pod.cpu, pod.sampled = cpu, now
+        return real
+
+    @staticmethod
+    def _exited(pod: Tracked) -> str:
+        code = pod.box.proc.poll()
+        if code is None:
+            return ""
+        return "killed" if code == -signal.SIGKILL else f"exited {code}"
+
+    def _new_actions(self, status: dict[str, Any]) -> list[str]:
+        lines = []
+        for action in status.get("recentActions") or []:
+            key = (float(action.get("time", 0)), str(action.get("container")), str(action.get("action")))
+            if key in self.seen_actions or not str(action.get("action", "")).startswith("killed"):
+                continue
+            self.seen_actions.add(key)
+            at = float(action.get("time", 0)) - status.get("time", 0) + self.elapsed()
+            lines.append(
+                f"  t = {at:.0f} s {action.get('container')}: {action.get('action')} ({action.get('detail')})"
+            )
+        return lines
+
+    def _xid(self) -> None:
+        SimStateDir(self.node.runtime.sim_state_dir).post_event(1, EventKind.XID, xid=13, detail="demo")
+        self.console.print("  (XID 13, an application error, posted on GPU 1: counted, GPU stays healthy)")
+
+    def _neighbour(self) -> None:
+        self.pods.append(_start(self.node, NEIGHBOUR, self.console))
+        self.console.print("  -> burst-40 now has a neighbour on GPU 1: it is brought back to its request")
+
+
+def _crash(node: EnforcedNode, boxes: list[RunningContainer], console: Console) -> None:
+    running = [b for b in boxes if b.proc.poll() is None]
+    try:
+        wait_for(lambda: any(frozen(b.cgroup) for b in running), 10, "a frozen container")
+    except TimeoutError:
+        console.print("\nno container was frozen in 10 s (is the node overloaded?): watchdog step skipped")
+        return
+    node.agent.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    node.agent.wait()
+    wait_for(lambda: not any(frozen(b.cgroup) for b in running), 5, "the watchdog to thaw everything")
+    console.print(
+        f"\nagent SIGKILLed while throttling {len(running)} containers: the watchdog thawed all of them "
+        f"after {1000 * (time.monotonic() - killed):.0f} ms"
+    )
