@@ -54,6 +54,13 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def is_watchdog(pid: int) -> bool:
+    try:
+        return b"agent.platform.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False  # exited meanwhile (the BPF loader child)
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (the watchdog), from /proc/<pid>/task/*/children."""
     found: list[int] = []
@@ -107,7 +114,7 @@ def main() -> None:
     try:
         with enforced_node(workdir, SPEC, agent_args=("--log-level", "WARNING")) as node:
             agent = node.agent.pid
-            watchdogs = children(agent)
+            watchdogs = [p for p in children(agent) if is_watchdog(p)]  # not the BPF loader child
             pids = {"agent": agent} | ({"watchdog": watchdogs[0]} if watchdogs else {})
             print(
                 f"{SPEC}, agent pid {agent}, watchdog {watchdogs or 'none'}; {args.seconds:.0f} s per phase"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import uuid
@@ -23,6 +24,7 @@ import pytest
 from agent.platform.bpf import nvioctl as nv
 from agent.platform.bpf.ioctl_stats import IoctlSnapshot, ProcessKey
 from agent.platform.bpf.ioctl_tracer import AttachMode, IoctlTracer, IoctlTracerError
+from agent.platform.bpf.loaded import load
 from agent.platform.bpf.mapread import BatchReader
 from agent.platform.bpf.probe import BpfStatus, probe_bpf
 
@@ -388,26 +390,23 @@ def test_hash_map_thread_state_counts_the_same(tracer: IoctlTracer, spawn: Calla
 def test_batch_reader_walks_every_row_in_small_chunks() -> None:
     if os.geteuid() != 0:
         pytest.skip("BPF maps need root")
-    bcc = pytest.importorskip("bcc")
-    program = bcc.BPF(text=b"BPF_HASH(t, struct { u64 a; u32 b; u32 c; }, struct { u64 v[3]; }, 4096);")
+    program = load("BPF_HASH(t, struct { u64 a; u32 b; u32 c; }, struct { u64 v[3]; }, 4096);", [], ["t"])
     try:
-        table = program[b"t"]
+        table = program["t"]
         expected = set()
         for i in range(1000):
-            key, value = table.Key(), table.Leaf()
-            key.a, key.b, key.c = i << 33, i, i * 7
-            value.v[0], value.v[1], value.v[2] = i, i * i, 1 << 40
-            table[key] = value
-            expected.add(((i << 33, i, i * 7), (i, i * i, 1 << 40)))
+            key, value = (i << 33, i, i * 7), (i, i * i, 1 << 40)
+            table.update(struct.pack("=QII", *key), struct.pack("=3Q", *value))
+            expected.add((key, value))
         reader = BatchReader(table, "=QII", "=3Q", chunk=16)  # 63 batches, cursor carried over
         assert set(reader.rows()) == expected
         assert len(reader.rows()) == 1000  # and again, with the same buffers
-        del table[reader.key((5 << 33, 5, 35))]
+        assert table.delete(reader.key((5 << 33, 5, 35)))
         assert len(reader.rows()) == 999
         with pytest.raises(ValueError, match="the C struct changed"):
             BatchReader(table, "=QI", "=3Q")
     finally:
-        program.cleanup()
+        program.close()
 
 
 def test_this_machine_passes_the_probes() -> None:

@@ -1,5 +1,6 @@
-"""NVIDIA ioctl attribution per (cgroup, process) with bcc: bpf/ioctl_tracer.c in the kernel,
-map reading here.
+"""NVIDIA ioctl attribution per (cgroup, process): bpf/ioctl_tracer.c in the kernel, map
+reading here. bcc compiles it in a short-lived child (:mod:`.loaded`); this process attaches it
+with perf events (:mod:`.perf`) and reads the maps with raw bpf(2) calls.
 
 Attach points. By default the syscalls:sys_{enter,exit}_ioctl tracepoints, filtered in the
 kernel to ``_IOWR('F', escape, size)`` commands (``(cmd & 0xC000FF00) == 0xC0004600``), which
@@ -38,15 +39,15 @@ bounded (:class:`TracerLimits`); when one is full the lost events are counted in
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agent.errors import PlatformError
+from agent.platform.bpf import perf
 from agent.platform.bpf.ioctl_stats import (
     LATENCY_SLOTS,
     OBJECT_FIELDS,
@@ -55,6 +56,7 @@ from agent.platform.bpf.ioctl_stats import (
     ObjectRow,
     build_snapshot,
 )
+from agent.platform.bpf.loaded import LoadedObject, LoadError, load
 from agent.platform.bpf.mapread import BatchReader
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,6 @@ TRACEPOINT_ENTER = "syscalls:sys_enter_ioctl"
 TRACEPOINT_EXIT = "syscalls:sys_exit_ioctl"
 KPROBE_FUNCTIONS = ("nvidia_unlocked_ioctl", "nvidia_frontend_unlocked_ioctl")
 ENTER_FN, EXIT_FN = "vcuda_ioctl_enter", "vcuda_ioctl_exit"
-KRETPROBE_MAXACTIVE = 256  # concurrent driver calls tracked by the kretprobe; more are missed
 # struct formats of the maps' (key, value) in bpf/ioctl_tracer.c; a size mismatch fails start().
 MAP_FORMATS = {
     # {cgroup_id, tgid, escape}: {calls, errors, latency[LATENCY_SLOTS]}
@@ -74,6 +75,7 @@ MAP_FORMATS = {
     # {tgid, h_root, h_object, pad}: {size, cgroup_id, kind, pad}
     b"objects": ("=IIII", "=QQII"),
 }
+DROPS_MAP = b"drops"  # u64 per drop kind, indexed by u32
 
 
 class IoctlTracerError(PlatformError):
@@ -146,9 +148,9 @@ class IoctlTracer:
         self.kprobe_function = kprobe_function
         self.limits = limits or TracerLimits()
         self.source_path = source_path
-        self._bpf: Any = None
+        self._bpf: LoadedObject | None = None  # the loaded programs and maps (fds)
         self._attached = False
-        self._points: list[tuple[str, bytes]] = []  # what is attached now, to detach exactly that
+        self._points: list[tuple[str, int]] = []  # (event, perf event fd) attached now
         self._task_storage_choices = (True, False) if task_storage is None else (task_storage,)
         self.task_storage = self._task_storage_choices[0]
         self._readers: dict[bytes, BatchReader] = {}
@@ -182,20 +184,16 @@ class IoctlTracer:
         with self._lock:
             if self._bpf is not None:
                 return
-            try:
-                import bcc  # noqa: PLC0415  (optional dependency, imported only when tracing)
-            except ImportError as err:
-                raise IoctlTracerError(
-                    f"bcc is not importable ({err}): install Debian's python3-bpfcc"
-                ) from err
             failures = []
             for task_storage in self._task_storage_choices:  # task storage needs Linux >= 5.11 with BTF
                 self.task_storage = task_storage
                 try:
-                    self._bpf = self._load(bcc)
+                    self._bpf = self._load()
                     break
                 except IoctlTracerError as err:
                     failures.append(err)
+                    if isinstance(err.__cause__, LoadError) and err.__cause__.stage in ("import", "child"):
+                        raise  # no bcc, or no loader: the other variant fails the same way
             else:
                 if len(failures) == 1:
                     raise failures[0]
@@ -209,68 +207,73 @@ class IoctlTracer:
             raise
         log.info("ioctl tracer attached (%s)", self.mode.value)
 
-    def _load(self, bcc: Any) -> Any:
+    def _load(self) -> LoadedObject:
         text = self.source()
+        kind = "kprobe" if self.mode is AttachMode.KPROBE else "tracepoint"
+        maps = [name.decode() for name in (*MAP_FORMATS, DROPS_MAP)]
         try:
-            bpf = bcc.BPF(text=text.encode())
-        except Exception as err:
-            raise IoctlTracerError(
-                f"compiling the ioctl tracer failed ({_describe(err)}); bcc needs kernel headers "
-                f"under /lib/modules/<release>/build (see `vcuda-agent --dump-bpf` for the program)"
-            ) from err
-        prog_type = bcc.BPF.KPROBE if self.mode is AttachMode.KPROBE else bcc.BPF.TRACEPOINT
+            loaded = load(text, [(ENTER_FN, kind), (EXIT_FN, kind)], maps)
+        except LoadError as err:
+            if err.stage == "import":
+                message = f"bcc is not importable ({err}): install Debian's python3-bpfcc"
+            elif err.stage == "compile":
+                message = (
+                    f"compiling the ioctl tracer failed ({err}); bcc needs kernel headers "
+                    f"under /lib/modules/<release>/build (see `vcuda-agent --dump-bpf` for the program)"
+                )
+            elif err.stage == "child":
+                message = f"loading the ioctl tracer failed: {err}"
+            else:  # the verifier or the kernel refused a program
+                message = f"the kernel refused the ioctl tracer: {err}"
+            raise IoctlTracerError(message) from err
         try:
-            for fn in (ENTER_FN, EXIT_FN):  # load now (bcc caches them) so the verifier speaks here
-                bpf.load_func(fn.encode(), prog_type)
-        except Exception as err:
-            bpf.cleanup()
-            raise IoctlTracerError(f"the kernel refused the ioctl tracer: {_describe(err)}") from err
-        try:
-            self._readers = {name: BatchReader(bpf[name], *formats) for name, formats in MAP_FORMATS.items()}
+            self._readers = {
+                name: BatchReader(loaded[name.decode()], *formats) for name, formats in MAP_FORMATS.items()
+            }
+            self._readers[DROPS_MAP] = BatchReader(loaded[DROPS_MAP.decode()], "=I", "=Q", chunk=8)
         except ValueError as err:
-            bpf.cleanup()
+            loaded.close()
             raise IoctlTracerError(f"the ioctl tracer's maps do not match this agent: {err}") from err
-        return bpf
+        return loaded
 
     def attach(self) -> None:
         """Attach the loaded program (idempotent); :meth:`detach` keeps the maps."""
         with self._lock:
-            bpf = self._require_bpf()
+            loaded = self._require_bpf()
             if self._attached:
                 return
             for kind, event, fn_name in self._attach_points():
+                prog_fd = loaded.program(fn_name).fd
                 try:
-                    if kind == "kprobe":
-                        bpf.attach_kprobe(event=event, fn_name=fn_name)
-                    elif kind == "kretprobe":
-                        bpf.attach_kretprobe(event=event, fn_name=fn_name, maxactive=KRETPROBE_MAXACTIVE)
+                    if kind == "tracepoint":
+                        category, name = event.split(":", 1)
+                        fd = perf.attach_tracepoint(prog_fd, category, name)
                     else:
-                        bpf.attach_tracepoint(tp=event, fn_name=fn_name)
-                except Exception as err:
-                    self._detach_points(bpf)
+                        fd = perf.attach_kprobe(prog_fd, event, retprobe=kind == "kretprobe")
+                except perf.PerfAttachError as err:
+                    self._detach_points()
                     raise IoctlTracerError(
-                        f"attaching the ioctl tracer to {event.decode()} failed ({_describe(err)}); it needs "
+                        f"attaching the ioctl tracer to {event} failed ({_describe(err)}); it needs "
                         "root (CAP_BPF + CAP_PERFMON) and tracefs at /sys/kernel/tracing"
                     ) from err
-                self._points.append((kind, event))
+                self._points.append((event, fd))
             self._attached = True
 
     def detach(self) -> None:
         """Detach the program and keep it loaded with its maps (attach() again resumes counting)."""
         with self._lock:
-            if self._bpf is not None:
-                self._detach_points(self._bpf)
+            self._detach_points()
             self._attached = False
 
     def stop(self) -> None:
         """Detach and unload; the maps go with the program. Idempotent."""
         with self._lock:
-            bpf, self._bpf = self._bpf, None
-            self._points.clear()
+            loaded, self._bpf = self._bpf, None
+            self._detach_points()
             self._readers.clear()
             self._attached = False
-            if bpf is not None:
-                bpf.cleanup()  # detaches whatever is still attached
+            if loaded is not None:
+                loaded.close()
 
     def __enter__(self) -> IoctlTracer:
         self.start()
@@ -279,32 +282,22 @@ class IoctlTracer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _attach_points(self) -> list[tuple[str, bytes, bytes]]:
-        enter, exit_ = ENTER_FN.encode(), EXIT_FN.encode()
+    def _attach_points(self) -> list[tuple[str, str, str]]:
+        """(kind, event, program): kind tracepoint, kprobe or kretprobe."""
         if self.mode is AttachMode.KPROBE:
-            event = self.kprobe_function.encode()
-            return [("kprobe", event, enter), ("kretprobe", event, exit_)]
-        return [
-            ("tracepoint", TRACEPOINT_ENTER.encode(), enter),
-            ("tracepoint", TRACEPOINT_EXIT.encode(), exit_),
-        ]
+            return [("kprobe", self.kprobe_function, ENTER_FN), ("kretprobe", self.kprobe_function, EXIT_FN)]
+        return [("tracepoint", TRACEPOINT_ENTER, ENTER_FN), ("tracepoint", TRACEPOINT_EXIT, EXIT_FN)]
 
-    def _detach_points(self, bpf: Any) -> None:
+    def _detach_points(self) -> None:
+        """Close the perf events: the kernel detaches the program from each."""
         while self._points:
-            kind, event = self._points.pop()
+            event, fd = self._points.pop()
             try:
-                if kind == "kprobe":
-                    bpf.detach_kprobe(event=event)
-                elif kind == "kretprobe":
-                    bpf.detach_kretprobe(event=event)
-                else:
-                    bpf.detach_tracepoint(tp=event)
-            except Exception as err:
-                raise IoctlTracerError(
-                    f"detaching the ioctl tracer from {event.decode()} failed: {err}"
-                ) from err
+                os.close(fd)
+            except OSError as err:
+                raise IoctlTracerError(f"detaching the ioctl tracer from {event} failed: {err}") from err
 
-    def _require_bpf(self) -> Any:
+    def _require_bpf(self) -> LoadedObject:
         if self._bpf is None:
             raise IoctlTracerError("the ioctl tracer is not started")
         return self._bpf
@@ -314,15 +307,14 @@ class IoctlTracer:
     def snapshot(self) -> IoctlSnapshot:
         """Everything counted so far, per (cgroup id, pid). Reads the maps; clears nothing."""
         with self._lock:
-            bpf = self._require_bpf()
+            self._require_bpf()
             try:
                 escapes = [
                     EscapeRow(cgroup, tgid, escape, v[0], v[1], v[2:])
                     for (cgroup, tgid, escape), v in self._reader(b"escape_stats").rows()
                 ]
                 objects = [ObjectRow(k[0], k[1], v) for k, v in self._reader(b"proc_objects").rows()]
-                drops_table = bpf[b"drops"]
-                drops = [_int(drops_table[ctypes.c_int(i)]) for i in range(len(drops_table))]
+                drops = [v[0] for _, v in sorted(self._reader(DROPS_MAP).rows())]
             except Exception as err:
                 raise IoctlTracerError(f"reading the ioctl tracer's maps failed: {_describe(err)}") from err
         return build_snapshot(escapes, objects, drops)
@@ -337,15 +329,11 @@ class IoctlTracer:
             removed = 0
             try:
                 for name, tgid_field in ((b"escape_stats", 1), (b"proc_objects", 1), (b"objects", 0)):
-                    table, reader = bpf[name], self._reader(name)
+                    table, reader = bpf[name.decode()], self._reader(name)
                     for key, _ in reader.rows():
-                        if key[tgid_field] not in gone:
-                            continue
-                        try:
-                            del table[reader.key(key)]
+                        # False: the kernel side deleted it meanwhile (a free)
+                        if key[tgid_field] in gone and table.delete(reader.key(key)):
                             removed += 1
-                        except KeyError:
-                            pass  # the kernel side deleted it meanwhile (a free)
             except Exception as err:
                 raise IoctlTracerError(
                     f"forgetting pids {sorted(gone)} in the ioctl tracer: {_describe(err)}"
@@ -360,8 +348,3 @@ class IoctlTracer:
 
     def _reader(self, name: bytes) -> BatchReader:
         return self._readers[name]
-
-
-def _int(value: Any) -> int:
-    """A u64 array element: a ctypes scalar from a single lookup."""
-    return int(getattr(value, "value", value))

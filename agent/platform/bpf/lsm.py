@@ -1,4 +1,5 @@
-"""Memory mode `deny`: bpf/memquota_lsm.c on the file_ioctl LSM hook, loaded with bcc.
+"""Memory mode `deny`: bpf/memquota_lsm.c on the file_ioctl LSM hook, compiled by bcc in a
+short-lived child (:mod:`.loaded`) and attached here with BPF_RAW_TRACEPOINT_OPEN.
 
 The program refuses video-memory RM_ALLOC ioctls that would take a container over its
 quota (-ENOMEM to the caller, which CUDA reports as out of memory). It needs a kernel that
@@ -14,21 +15,26 @@ decision is unit-tested through its Python mirror ``agent.domain.memquota.lsm_al
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agent.errors import PlatformError
+from agent.platform.bpf import syscall
+from agent.platform.bpf.loaded import LoadedObject, LoadError, find_bcc, load
+from agent.platform.bpf.maps import BpfMap
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = Path(__file__).resolve().parents[3] / "bpf" / "memquota_lsm.c"
 DEFAULT_SECURITY_DIR = Path("/sys/kernel/security")
 DEFAULT_BTF = Path("/sys/kernel/btf/vmlinux")
-LSM_FUNCTION = b"lsm__file_ioctl"  # what LSM_PROBE(file_ioctl, ...) names the program
-QUOTA_MAP = b"quotas"
+LSM_FUNCTION = "lsm__file_ioctl"  # what LSM_PROBE(file_ioctl, ...) names the program
+QUOTA_MAP = "quotas"
+QUOTA_KEY, QUOTA_VALUE = struct.Struct("=Q"), struct.Struct("=QQ")  # cgroup id -> struct quota
 
 
 class MemoryDenyError(PlatformError):
@@ -41,19 +47,11 @@ class LsmSupport:
     reason: str  # why not; empty when usable
 
 
-def _bcc_module() -> Any:
-    import bcc  # noqa: PLC0415  (optional: Debian's python3-bpfcc)
-
-    if not hasattr(bcc, "BPF"):
-        raise ImportError(f"the 'bcc' module at {bcc.__file__} is not BCC (the PyPI 'bcc' is unrelated)")
-    return bcc
-
-
 def probe_bpf_lsm(
     security_dir: Path = DEFAULT_SECURITY_DIR,
     btf: Path = DEFAULT_BTF,
     *,
-    import_bcc: Callable[[], object] = _bcc_module,
+    import_bcc: Callable[[], object] = find_bcc,
 ) -> LsmSupport:
     """Check, in order: the active LSMs list "bpf", kernel BTF exists, bcc imports."""
     lsm_file = security_dir / "lsm"
@@ -92,7 +90,8 @@ class MemoryDenyProgram:
     def __init__(self, source_path: Path = DEFAULT_SOURCE, max_quotas: int = 4096) -> None:
         self.source_path = source_path
         self.max_quotas = max_quotas
-        self._bpf: Any = None
+        self._bpf: LoadedObject | None = None
+        self._link_fd = -1  # BPF_RAW_TRACEPOINT_OPEN's link: closing it detaches
         self._lock = threading.Lock()
 
     def source(self) -> str:
@@ -112,40 +111,41 @@ class MemoryDenyProgram:
 
     def start(self) -> None:
         """Compile, load and attach; raises MemoryDenyError with the reason. Idempotent."""
+        refused = (
+            "the kernel refused to load or attach the BPF LSM program for memory mode deny ({}; bcc "
+            "reports every EPERM as missing privileges, and as root it means this kernel does not "
+            "accept BPF LSM programs)"
+        )
         with self._lock:
             if self._bpf is not None:
                 return
-            try:
-                bcc = _bcc_module()
-            except ImportError as err:
-                raise MemoryDenyError(
-                    f"bcc is not importable ({err}): install Debian's python3-bpfcc"
-                ) from err
-
-            class _ExplicitAttach(bcc.BPF):  # type: ignore[misc,name-defined]
-                # bcc loads and attaches lsm__* functions inside its constructor, and a refusal
-                # there leaves the maps it created open; attaching ourselves lets us clean up.
-                def _trace_autoload(self) -> None:
-                    pass
-
             text = self.source()
             try:
-                bpf = _ExplicitAttach(text=text.encode())
-            except Exception as err:
-                raise MemoryDenyError(
-                    f"compiling the memory quota LSM program failed ({_describe(err)}); bcc needs kernel "
-                    "headers under /lib/modules/<release>/build"
-                ) from err
+                loaded = load(text, [(LSM_FUNCTION, "lsm")], [QUOTA_MAP])
+            except LoadError as err:
+                if err.stage == "import":
+                    raise MemoryDenyError(
+                        f"bcc is not importable ({err}): install Debian's python3-bpfcc"
+                    ) from err
+                if err.stage == "compile":
+                    raise MemoryDenyError(
+                        f"compiling the memory quota LSM program failed ({err}); bcc needs kernel "
+                        "headers under /lib/modules/<release>/build"
+                    ) from err
+                raise MemoryDenyError(refused.format(err)) from err
             try:
-                bpf.attach_lsm(fn_name=LSM_FUNCTION)
-            except Exception as err:
-                bpf.cleanup()
+                self._link_fd = syscall.raw_tracepoint_open(loaded.program(LSM_FUNCTION).fd)
+            except syscall.BpfSyscallError as err:
+                loaded.close()
+                raise MemoryDenyError(refused.format(err)) from err
+            table = loaded[QUOTA_MAP]
+            if (table.key_size, table.value_size) != (QUOTA_KEY.size, QUOTA_VALUE.size):
+                self._close(loaded)
                 raise MemoryDenyError(
-                    f"the kernel refused to load or attach the BPF LSM program for memory mode deny "
-                    f"({_describe(err)}; bcc reports every EPERM as missing privileges, and as root "
-                    "it means this kernel does not accept BPF LSM programs)"
-                ) from err
-            self._bpf = bpf
+                    f"the quota map is {table.key_size}+{table.value_size} bytes, this agent expects "
+                    f"{QUOTA_KEY.size}+{QUOTA_VALUE.size}: bpf/memquota_lsm.c and lsm.py disagree"
+                )
+            self._bpf = loaded
         log.info("memory quota LSM program attached to file_ioctl")
 
     def set_quota(self, cgroup_id: int, quota_bytes: int, used_bytes: int) -> None:
@@ -154,8 +154,8 @@ class MemoryDenyProgram:
         with self._lock:
             table = self._table()
             try:
-                table[table.Key(cgroup_id)] = table.Leaf(quota_bytes, used_bytes)  # struct quota
-            except Exception as err:
+                table.update(QUOTA_KEY.pack(cgroup_id), QUOTA_VALUE.pack(quota_bytes, used_bytes))
+            except (syscall.BpfSyscallError, struct.error) as err:
                 raise MemoryDenyError(
                     f"setting the memory quota of cgroup {cgroup_id}: {_describe(err)}"
                 ) from err
@@ -165,10 +165,8 @@ class MemoryDenyProgram:
         with self._lock:
             table = self._table()
             try:
-                del table[table.Key(cgroup_id)]
-            except KeyError:
-                pass  # was never set, or already removed
-            except Exception as err:
+                table.delete(QUOTA_KEY.pack(cgroup_id))  # False: never set, or already removed
+            except syscall.BpfSyscallError as err:
                 raise MemoryDenyError(
                     f"removing the memory quota of cgroup {cgroup_id}: {_describe(err)}"
                 ) from err
@@ -178,18 +176,29 @@ class MemoryDenyProgram:
         with self._lock:
             table = self._table()
             try:
-                return {int(k.value): (int(v.quota_bytes), int(v.used_bytes)) for k, v in table.items()}
-            except Exception as err:
+                rows = table.items()
+            except syscall.BpfSyscallError as err:
                 raise MemoryDenyError(f"reading the memory quota map: {_describe(err)}") from err
+            out: dict[int, tuple[int, int]] = {}
+            for key, value in rows:
+                quota, used = QUOTA_VALUE.unpack(value)
+                out[QUOTA_KEY.unpack(key)[0]] = (quota, used)
+            return out
 
     def stop(self) -> None:
         """Detach and unload (the quotas go with it). Idempotent."""
         with self._lock:
-            bpf, self._bpf = self._bpf, None
-        if bpf is not None:
-            bpf.cleanup()
+            loaded, self._bpf = self._bpf, None
+            if loaded is not None:
+                self._close(loaded)
 
-    def _table(self) -> Any:
+    def _close(self, loaded: LoadedObject) -> None:
+        if self._link_fd >= 0:
+            fd, self._link_fd = self._link_fd, -1
+            os.close(fd)
+        loaded.close()
+
+    def _table(self) -> BpfMap:
         if self._bpf is None:
             raise MemoryDenyError("the memory quota LSM program is not started")
         return self._bpf[QUOTA_MAP]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.platform.bpf.ioctl_tracer import KPROBE_FUNCTIONS, AttachMode
+from agent.platform.bpf.loaded import find_bcc
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 TRACEFS_DIRS = ("kernel/tracing", "kernel/debug/tracing")  # under /sys
@@ -70,10 +71,8 @@ class BpfSupport:
 
 
 def _import_bcc() -> None:
-    import bcc  # noqa: PLC0415  (optional: Debian's python3-bpfcc)
-
-    if not hasattr(bcc, "BPF"):
-        raise ImportError(f"the 'bcc' module at {bcc.__file__} is not BCC (the PyPI 'bcc' is unrelated)")
+    """bcc is there for the loader process (looked up, not imported: see agent.platform.bpf.loaded)."""
+    find_bcc()
 
 
 def _effective_caps(proc: Path) -> int | None:

@@ -1,10 +1,11 @@
-"""bpf(2) commands that bcc's Python API lacks, through ctypes.
+"""bpf(2) commands the agent process issues itself, through ctypes (it never imports bcc).
 
 Attaching, detaching and listing the programs on a cgroup (BPF_PROG_ATTACH, _DETACH,
-_QUERY), and naming a program by id (BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD).
-The argument structs mirror ``union bpf_attr`` in include/uapi/linux/bpf.h; the kernel
-accepts a shorter union than its own as long as the fields we leave out are zero.
-Failures raise ``BpfSyscallError`` with the errno.
+_QUERY), naming a program or map by fd or id (BPF_PROG_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD),
+and attaching LSM programs (BPF_RAW_TRACEPOINT_OPEN). Map element commands live in
+:mod:`agent.platform.bpf.maps`, on top of :func:`call`. The argument structs mirror
+``union bpf_attr`` in include/uapi/linux/bpf.h; the kernel accepts a shorter union than its
+own as long as the fields we leave out are zero. Failures raise ``BpfSyscallError`` with the errno.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BPF_PROG_DETACH = 9
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_QUERY = 16
+BPF_RAW_TRACEPOINT_OPEN = 17
 
 BPF_CGROUP_DEVICE = 6  # enum bpf_attach_type
 BPF_PROG_TYPE_CGROUP_DEVICE = 15  # enum bpf_prog_type
@@ -100,6 +102,34 @@ class _ProgInfo(ctypes.Structure):
     ]
 
 
+class _MapInfo(ctypes.Structure):
+    """The head of ``struct bpf_map_info``, up to and including ``name``."""
+
+    _fields_: ClassVar = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * BPF_OBJ_NAME_LEN),
+    ]
+
+
+class _RawTracepointAttr(ctypes.Structure):
+    _fields_: ClassVar = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    id: int
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    name: str
+
+
 @dataclass(frozen=True)
 class ProgInfo:
     id: int
@@ -112,15 +142,34 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)  # loaded on first use: no work at import time
 
 
-def _bpf(cmd: int, attr: ctypes.Structure, what: str) -> int:
+def call(cmd: int, attr: ctypes.Structure, what: str) -> int:
+    """bpf(cmd, &attr, sizeof attr); raises BpfSyscallError naming ``what`` on failure."""
+    return _bpf(cmd, attr, what)
+
+
+@functools.cache
+def _sys_bpf() -> ctypes.c_long:
     number = _SYS_BPF.get(platform.machine())
     if number is None:
         raise PlatformError(f"bpf(2): no syscall number known for {platform.machine()}")
+    return ctypes.c_long(number)
+
+
+def call_errno(cmd: int, attr: ctypes.Structure) -> tuple[int, int]:
+    """bpf(cmd, &attr, sizeof attr) without raising: (result, errno); errno is 0 on success.
+
+    For the per-period map walks, whose normal end is an error (ENOENT)."""
+    # The syscall number and libc are looked up once: map reads run every control period.
     result: int = _libc().syscall(
-        ctypes.c_long(number), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr))
+        _sys_bpf(), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr))
     )
+    return (result, ctypes.get_errno()) if result < 0 else (result, 0)
+
+
+def _bpf(cmd: int, attr: ctypes.Structure, what: str) -> int:
+    result, errno = call_errno(cmd, attr)
     if result < 0:
-        raise BpfSyscallError(what, ctypes.get_errno())
+        raise BpfSyscallError(what, errno)
     return result
 
 
@@ -156,6 +205,31 @@ def prog_info(prog_fd: int) -> ProgInfo:
     attr = _InfoAttr(bpf_fd=prog_fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"reading info of BPF program fd {prog_fd}")
     return ProgInfo(id=info.id, type=info.type, name=info.name.decode(errors="replace"))
+
+
+def map_info(map_fd: int) -> MapInfo:
+    info = _MapInfo()
+    attr = _InfoAttr(bpf_fd=map_fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info))
+    _bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"reading info of BPF map fd {map_fd}")
+    return MapInfo(
+        id=info.id,
+        type=info.type,
+        key_size=info.key_size,
+        value_size=info.value_size,
+        max_entries=info.max_entries,
+        name=info.name.decode(errors="replace"),
+    )
+
+
+def raw_tracepoint_open(prog_fd: int, name: str | None = None) -> int:
+    """Attach a raw tracepoint, tracing or LSM program; returns the link fd (close it to detach).
+
+    LSM and fentry programs name their hook at load time, so ``name`` stays None for them."""
+    buf = ctypes.create_string_buffer(name.encode()) if name else None
+    attr = _RawTracepointAttr(name=ctypes.addressof(buf) if buf is not None else 0, prog_fd=prog_fd)
+    return _bpf(
+        BPF_RAW_TRACEPOINT_OPEN, attr, f"attaching BPF program fd {prog_fd} ({name or 'its BTF hook'})"
+    )
 
 
 def prog_info_by_id(prog_id: int) -> ProgInfo:

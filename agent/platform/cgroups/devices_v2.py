@@ -1,6 +1,7 @@
 """GPU device rules on cgroup v2: bpf/device_guard.c, one program for every container.
 
-The program is compiled once (bcc, ~0.5 s of clang) and attached with BPF_F_ALLOW_MULTI
+The program is compiled once (bcc, ~0.5 s of clang, in a short-lived child process so that
+LLVM never maps into the agent: :mod:`agent.platform.bpf.loaded`) and attached with BPF_F_ALLOW_MULTI
 to each guarded container's scope directory; each container's policy is an entry in
 the program's ``policies`` map, keyed by the directory's cgroup id. runc and crun
 detach every program on a cgroup that has more than one when they update a container,
@@ -14,15 +15,15 @@ their maps alive); the next agent process replaces them.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agent.platform.bpf import syscall
+from agent.platform.bpf.loaded import LoadedObject, LoadError, load
 from agent.platform.cgroups.devicepolicy import (
     NVIDIA_MAJOR,
     DevicePolicy,
@@ -37,6 +38,9 @@ PROG_NAME = "vcuda_devguard"  # the C function; also the kernel's name for the p
 # Flags and major classes, as #defined in bpf/device_guard.c.
 POLICY_HAS_GPU, POLICY_AUDIT = 1, 2
 MAJOR_UVM, MAJOR_CAPS, MAJOR_OTHER = 1, 2, 3
+# The maps' layouts in bpf/device_guard.c: policies u64 -> struct policy, majors u32 -> u32.
+POLICY_KEY, POLICY_VALUE = struct.Struct("=Q"), struct.Struct("=4QIIQ")  # gpu_minors, flags, pad, denied
+MAJOR_KEY, MAJOR_VALUE = struct.Struct("=I"), struct.Struct("=I")
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class BpfDeviceRules:
         self._majors = majors or NvidiaMajors()
         self.source_path = source_path
         self.limits = limits or ProgramLimits()
-        self._bpf: Any = None
+        self._bpf: LoadedObject | None = None
         self._prog_fd = -1
         self.prog_id = 0
         self._attached: dict[Path, _Attached] = {}
@@ -116,27 +120,32 @@ class BpfDeviceRules:
         with self._lock:
             self._load()
 
-    def _load(self) -> Any:
+    def _load(self) -> LoadedObject:
         if self._bpf is not None:
             return self._bpf
         text = self.source()
         try:
-            import bcc  # noqa: PLC0415  (optional dependency, imported only when guarding v2)
-        except ImportError as err:
-            raise GuardError(f"bcc is not importable ({err}): install Debian's python3-bpfcc") from err
-        try:
-            bpf = bcc.BPF(text=text.encode())
-            fn = bpf.load_func(PROG_NAME.encode(), bcc.BPF.CGROUP_DEVICE)
-        except Exception as err:
+            loaded = load(text, [(PROG_NAME, "cgroup_device")], ["policies", "majors"])
+        except LoadError as err:
+            if err.stage == "import":
+                raise GuardError(f"bcc is not importable ({err}): install Debian's python3-bpfcc") from err
             raise GuardError(
-                f"compiling or loading the device guard failed ({_describe(err)}); bcc needs kernel "
+                f"compiling or loading the device guard failed ({err}); bcc needs kernel "
                 "headers under /lib/modules/<release>/build and root (see `vcuda-agent --dump-bpf`)"
             ) from err
-        self._bpf, self._prog_fd = bpf, fn.fd
-        self.prog_id = syscall.prog_info(fn.fd).id
+        for name, key, value in (("policies", POLICY_KEY, POLICY_VALUE), ("majors", MAJOR_KEY, MAJOR_VALUE)):
+            table = loaded[name]
+            if (table.key_size, table.value_size) != (key.size, value.size):
+                loaded.close()
+                raise GuardError(
+                    f"the device guard's map {name} is {table.key_size}+{table.value_size} bytes, this agent "
+                    f"expects {key.size}+{value.size}: bpf/device_guard.c and devices_v2.py disagree"
+                )
+        program = loaded.program(PROG_NAME)
+        self._bpf, self._prog_fd, self.prog_id = loaded, program.fd, program.id
         self._names[self.prog_id] = PROG_NAME
         self._write_majors()
-        return bpf
+        return loaded
 
     def set_majors(self, majors: NvidiaMajors) -> None:
         with self._lock:
@@ -145,41 +154,42 @@ class BpfDeviceRules:
                 if self._bpf is not None:
                     self._write_majors()
 
+    def _loaded(self) -> LoadedObject:
+        if self._bpf is None:
+            raise GuardError("the device guard is not loaded")
+        return self._bpf
+
     def _write_majors(self) -> None:
-        table = self._bpf[b"majors"]
+        table = self._loaded()["majors"]
         wanted = {m: MAJOR_UVM for m in self._majors.uvm}
         wanted.update({m: MAJOR_OTHER for m in self._majors.other})
         wanted.update({m: MAJOR_CAPS for m in self._majors.caps})
         try:
             # Add before removing, so a driver reload never opens a moment without the rule.
             for major, cls in wanted.items():
-                table[table.Key(major)] = table.Leaf(cls)
-            for key in [k.value for k in table]:
+                table.update(MAJOR_KEY.pack(major), MAJOR_VALUE.pack(cls))
+            for key in [MAJOR_KEY.unpack(k)[0] for k in table]:
                 if key not in wanted:
-                    del table[table.Key(key)]
-        except Exception as err:
+                    table.delete(MAJOR_KEY.pack(key))
+        except syscall.BpfSyscallError as err:
             raise GuardError(
                 f"cannot update the NVIDIA majors of the device guard ({_describe(err)})"
             ) from err
 
     def _write_policy(self, cgroup_id: int, policy: DevicePolicy, audit: bool) -> None:
-        table = self._bpf[b"policies"]
-        leaf = table.Leaf()
-        for i, word in enumerate(gpu_minor_words(policy.gpu_minors or frozenset())):
-            leaf.gpu_minors[i] = word
-        leaf.flags = (POLICY_HAS_GPU if policy.has_gpu else 0) | (POLICY_AUDIT if audit else 0)
+        table = self._loaded()["policies"]
+        flags = (POLICY_HAS_GPU if policy.has_gpu else 0) | (POLICY_AUDIT if audit else 0)
+        words = gpu_minor_words(policy.gpu_minors or frozenset())
         try:
-            table[table.Key(cgroup_id)] = leaf
-        except Exception as err:
+            table.update(POLICY_KEY.pack(cgroup_id), POLICY_VALUE.pack(*words, flags, 0, 0))  # denied from 0
+        except syscall.BpfSyscallError as err:
             raise GuardError(
                 f"cannot store the device policy of cgroup id {cgroup_id} ({_describe(err)}); "
                 f"the map holds {self.limits.policies} entries at most"
             ) from err
 
     def _delete_policy(self, cgroup_id: int) -> None:
-        table = self._bpf[b"policies"]
-        with contextlib.suppress(KeyError):  # never stored, or already gone
-            del table[table.Key(cgroup_id)]
+        self._loaded()["policies"].delete(POLICY_KEY.pack(cgroup_id))  # False: never stored, or gone
 
     def _name_of(self, prog_id: int) -> str:
         if prog_id not in self._names:
@@ -273,16 +283,14 @@ class BpfDeviceRules:
             state = self._attached.get(cgroup_dir)
             if state is None or self._bpf is None:
                 return None
-            table = self._bpf[b"policies"]
-            try:
-                return int(table[table.Key(state.cgroup_id)].denied)
-            except KeyError:
-                return None
+            value = self._bpf["policies"].lookup(POLICY_KEY.pack(state.cgroup_id))
+            return None if value is None else int(POLICY_VALUE.unpack(value)[-1])
 
     def close(self) -> None:
         """Unload from this process; attached programs keep enforcing (see the module docstring)."""
         with self._lock:
-            bpf, self._bpf = self._bpf, None
+            loaded, self._bpf = self._bpf, None
             self._attached.clear()
-            if bpf is not None:
-                bpf.cleanup()
+            self._prog_fd = -1
+            if loaded is not None:
+                loaded.close()  # attachments hold the program (and its maps) in the kernel
