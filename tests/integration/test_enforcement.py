@@ -182,5 +182,6 @@ def test_legacy_metrics_serve_gpu_managers_names(short_dir: Path) -> None:
 
 
 def legacy_scrape(node: EnforcedNode) -> str | None:
+    """The scrape once the first utilization sample is in (requests show up before it)."""
     text = node.metrics()
-    return text if "container_request_gpu_memory{" in text else None
+    return text if "container_request_gpu_memory{" in text and "container_gpu_utilization{" in text else None

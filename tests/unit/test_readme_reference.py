@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent.control.guardtargets import EXEMPT_ANNOTATION
-from agent.domain import annotations, nodeconfig, nodeinventory, schedrequest
+from agent.domain import annotations as notes
+from agent.domain import nodeconfig, nodeinventory, schedrequest
 from agent.surfaces.cli.main import build_parser
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
@@ -58,13 +59,13 @@ def test_every_node_config_field_is_in_the_readme() -> None:
 @pytest.mark.parametrize(
     "key",
     [
-        annotations.CORE_LIMIT,
-        annotations.POLICY,
-        annotations.PREDICATE_NODE,
-        annotations.PREDICATE_TIME,
-        annotations.GPU_ASSIGNED,
-        annotations.PREDICATE_IDX + "<i>",
-        annotations.PREDICATE_IDX_INIT + "<i>",
+        notes.CORE_LIMIT,
+        notes.POLICY,
+        notes.PREDICATE_NODE,
+        notes.PREDICATE_TIME,
+        notes.GPU_ASSIGNED,
+        notes.PREDICATE_IDX + "<i>",
+        notes.PREDICATE_IDX_INIT + "<i>",
         schedrequest.NODE_POLICY,
         schedrequest.GPU_POLICY,
         EXEMPT_ANNOTATION,
@@ -78,6 +79,6 @@ def test_every_annotation_and_label_is_in_the_readme(key: str) -> None:
     assert f"`{key}" in README, f"{key} is not documented in README.md"
 
 
-@pytest.mark.parametrize("policy", [p.value for p in annotations.Policy])
+@pytest.mark.parametrize("policy", [p.value for p in notes.Policy])
 def test_every_policy_is_in_the_readme(policy: str) -> None:
     assert f"`{policy}`" in README
