@@ -100,9 +100,15 @@ def open_deny_program(program: MemoryDenyProgram, support: LsmSupport) -> Memory
     return program
 
 
+class Identities(Protocol):
+    """pid -> identity now; raises ProcessGoneError for a pid that is gone (ProcFS does this)."""
+
+    def identity(self, pid: int) -> ProcessIdentity: ...
+
+
 def process_uses(
     memory: Iterable[ProcessMemory],
-    procfs: ProcFS,
+    procfs: Identities,
     traced: Mapping[int, int] | None = None,
     last_alloc_ns: Mapping[int, int] | None = None,
 ) -> list[ProcessUse]:

@@ -226,6 +226,12 @@ class ProcessCache(Generic[T]):
             entry = self._learn(pid)
         return entry.value if entry is not None else None
 
+    def identity(self, pid: int) -> ProcessIdentity | None:
+        """The identity the cache holds for ``pid`` (kept current by exit events), or None."""
+        with self._lock:
+            entry = self._entries.get(pid)
+        return entry.identity if entry is not None else None
+
     def processes(self) -> dict[int, CachedProcess[T]]:
         """Live processes whose value is not None."""
         with self._lock:

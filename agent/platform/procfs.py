@@ -70,15 +70,17 @@ class ProcFS:
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = root
+        self._prefix = f"{root}/"  # str paths: the agent reads thousands of stat files a second
 
     @staticmethod
     def clock_ticks_per_second() -> int:
         return os.sysconf("SC_CLK_TCK")
 
     def stat(self, pid: int) -> ProcStat:
-        path = self.root / str(pid) / "stat"
+        path = f"{self._prefix}{pid}/stat"
         try:
-            text = path.read_text()
+            with open(path, "rb") as f:
+                text = f.read().decode(errors="replace")  # comm is arbitrary bytes
         except (FileNotFoundError, ProcessLookupError) as err:
             raise ProcessGoneError(f"process {pid} has exited") from err
         except OSError as err:

@@ -17,7 +17,7 @@ from agent.errors import VcudaError
 from agent.platform.bpf.lsm import MemoryDenyProgram, probe_bpf_lsm
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo, ProcessMemory
-from agent.platform.procfs import ProcFS
+from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.settings import EnforcementSettings, MemoryQuotaMode
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
@@ -114,7 +114,7 @@ class MemoryIntegration:
         times: dict[int, int] | None,
     ) -> MemoryView:
         """``traced``: this container's pids → video memory the tracer saw (None: no tracer)."""
-        uses = process_uses(memory, self._procfs, traced, times)
+        uses = process_uses(memory, self, traced, times)
         return MemoryView(spec.label, self._kube.pods.get(spec.pod_uid), spec.memory_quota_mib, uses)
 
     def _traced(self) -> tuple[dict[int, int] | None, dict[int, int] | None]:
@@ -133,6 +133,14 @@ class MemoryIntegration:
             held[stats.pid] = held.get(stats.pid, 0) + max(0, stats.vidmem_bytes)
             allocated[stats.pid] = allocated.get(stats.pid, 0) + stats.vidmem_bytes_allocated
         return held, self._times.observe(allocated, time.time_ns())
+
+    def identity(self, pid: int) -> ProcessIdentity:
+        """From the process cache (kept current by exit events) when it knows the pid, else
+        /proc: a memory check judges every GPU process several times a second, and reading
+        each one's /proc/<pid>/stat each time was most of the agent's CPU on a full node.
+        A kill checks the identity against /proc again before it acts."""
+        cached = self._host.processes.identity(pid)
+        return cached if cached is not None else self._procfs.identity(pid)
 
     def _owner(self, pid: int) -> ContainerRef | None:
         try:

@@ -120,8 +120,10 @@ def test_exec_adds_and_notifies_exit_drops_at_once(proc: FakeProc) -> None:
     cache.handle(ProcEvent(EventKind.EXEC, 100))
     assert cache.processes()[100].identity == ProcessIdentity(100, 5000)
     assert cache.get(100) == "pod-a/ctr"
+    assert cache.identity(100) == ProcessIdentity(100, 5000) and cache.identity(101) is None
     cache.handle(ProcEvent(EventKind.EXIT, 100))
     assert 100 not in cache and cache.processes() == {}
+    assert cache.identity(100) is None
     assert changes == [
         ProcessChange(True, ProcessIdentity(100, 5000), "pod-a/ctr"),
         ProcessChange(False, ProcessIdentity(100, 5000), "pod-a/ctr"),

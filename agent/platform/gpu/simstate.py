@@ -74,6 +74,8 @@ class SimStateDir:
         self.node_file = root / "node.json"
         self.procs_dir = root / "procs"
         self.events_dir = root / "events"
+        # Parsed workload files by path, keyed by (inode, mtime, size): files are replaced, not edited.
+        self._parsed: dict[Path, tuple[tuple[int, int, int], SimProcess]] = {}
 
     def create(self) -> None:
         try:
@@ -132,21 +134,26 @@ class SimStateDir:
             entries = sorted(self.procs_dir.glob("*.json"))
         except OSError as err:
             raise SimulationError(f"cannot list {self.procs_dir}: {err}") from err
+        parsed: dict[Path, tuple[tuple[int, int, int], SimProcess]] = {}
         for path in entries:
             try:
-                raw = json.loads(path.read_text())
-                procs.append(
-                    SimProcess(
-                        int(raw["pid"]),
-                        int(raw["start_ticks"]),
-                        int(raw["gpu"]),
-                        int(raw["memory_mib"]),
+                st = path.stat()
+                version = (st.st_ino, st.st_mtime_ns, st.st_size)
+                cached = self._parsed.get(path)
+                if cached is not None and cached[0] == version:
+                    proc = cached[1]
+                else:
+                    raw = json.loads(path.read_text())
+                    proc = SimProcess(
+                        int(raw["pid"]), int(raw["start_ticks"]), int(raw["gpu"]), int(raw["memory_mib"])
                     )
-                )
+                parsed[path] = (version, proc)
+                procs.append(proc)
             except FileNotFoundError:
                 continue  # the workload exited between glob and read
             except (OSError, ValueError, KeyError, TypeError) as err:
                 log.warning("ignoring malformed simulated workload file %s: %s", path, err)
+        self._parsed = parsed
         return procs
 
     # events/ ---------------------------------------------------------------

@@ -261,13 +261,14 @@ class SimulatedBackend:
             seen: set[ProcessIdentity] = set()
             for proc in self.state.processes():
                 ident = ProcessIdentity(proc.pid, proc.start_ticks)
-                if proc.gpu not in current or not self._procfs.is_alive(ident):
+                try:  # one read of /proc/<pid>/stat: is it the same process, and its CPU time
+                    stat = self._procfs.stat(proc.pid) if proc.gpu in current else None
+                except ProcessGoneError:
+                    stat = None
+                if stat is None or stat.start_ticks != proc.start_ticks or stat.state in ("Z", "X"):
                     self.state.unregister_process(proc.pid)
                     continue
-                try:
-                    ticks = self._procfs.stat(proc.pid).cpu_ticks
-                except ProcessGoneError:
-                    continue
+                ticks = stat.cpu_ticks
                 seen.add(ident)
                 memory[proc.gpu].append(ProcessMemory(proc.pid, proc.memory_mib * _MIB))
                 previous = self._readings.get(ident)
