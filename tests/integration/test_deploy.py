@@ -163,8 +163,11 @@ def test_host_namespaces_privileges_placement_and_lifecycle() -> None:
     resources = agent["resources"]
     assert "cpu" not in resources["limits"], "a CPU-throttled agent stretches the duty cycles"
     assert resources["requests"]["cpu"] == "100m"
-    assert _mib(resources["requests"]["memory"]) >= 225, "measured: 225 MB RSS with the tracer"
-    assert _mib(resources["limits"]["memory"]) >= 2 * 225
+    # bench/footprint.py: agent 110 MB with 128 containers + watchdog 15 MB; the BPF loader
+    # child peaks at 134 MB for a second or two at start-up, in the same memory cgroup.
+    steady, start_up = 110 + 15, 110 + 15 + 134
+    assert _mib(resources["requests"]["memory"]) >= steady * 1.5
+    assert _mib(resources["limits"]["memory"]) >= 1.5 * start_up
 
 
 def test_the_probes_point_at_the_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
