@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -48,8 +47,6 @@ EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
 
 def main(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vcuda-demo-"))
-    # gRPC's C core logs every fork while the kubelet emulator's channels are open: noise here.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     # The first Ctrl-C (or SIGTERM) unwinds through every clean-up; later ones must not cut it short.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt_once)
