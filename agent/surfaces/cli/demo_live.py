@@ -34,7 +34,7 @@ from agent.platform.gpu.simstate import SimStateDir
 from agent.surfaces.cli.demo_table import PodRow, gpu_line, pod_table
 from agent.surfaces.statusclient import fetch_status
 
-LOG_WIDTH = 150  # columns of the table when stdout is not a terminal (CI logs)
+LOG_WIDTH = 165  # columns of the table when stdout is not a terminal (CI logs)
 NON_INTERACTIVE_S = 30.0  # --duration default when stdout is not a terminal
 PRINT_EVERY_S = 10.0
 EVENT_LINES = 4  # how often a non-terminal run prints the table
