@@ -5,7 +5,6 @@ exactly what a running extender uses against the (fake) API server."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ from agent.surfaces.cli.main import build_parser
 from tests.integration.deploy_render import Doc, one, render
 from tests.integration.extenderkit import bind_body, gpu_pod, inventory_text, post, running_extender
 from tests.integration.kubeapi import apiserver, wait_until
+from tests.integration.test_rbac import needed  # an API request -> the (resource, verb) RBAC needs
 
 __all__ = ["apiserver"]
 # KubeSchedulerConfiguration v1 Extender fields (k8s.io/kube-scheduler/config/v1 types.go).
@@ -36,10 +36,6 @@ EXTENDER_FIELDS = {
     "managedResources",
     "ignorable",
 }
-_PATH = re.compile(
-    r"^/api/v1(?:/namespaces/[^/]+)?/(?P<res>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?$"
-)
-_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
 
 
 def scheduler_config(docs: list[Doc]) -> dict[str, Any]:
@@ -124,17 +120,6 @@ def _granted(docs: list[Doc]) -> set[tuple[str, str]]:
     return {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
 
 
-def _needed(method: str, path: str, query: dict[str, str]) -> tuple[str, str]:
-    match = _PATH.match(path)
-    assert match, f"unexpected API path {path}"
-    resource = match["res"] + (f"/{match['sub']}" if match["sub"] else "")
-    if method == "GET":
-        verb = "watch" if query.get("watch") in ("true", "1") else ("get" if match["name"] else "list")
-    else:
-        verb = _VERBS[method]
-    return resource, verb
-
-
 def test_the_extender_role_is_exactly_what_the_extender_uses(
     apiserver: FakeApiServer, tmp_path: Path
 ) -> None:
@@ -144,5 +129,5 @@ def test_the_extender_role_is_exactly_what_the_extender_uses(
         status, result = post(ext.url, "bind", bind_body(pod, "gpu-one"))
         assert status == 200 and not result.get("error")
         wait_until(lambda: not ext.view.reservations())
-    used = {_needed(r.method, r.path, r.query) for r in apiserver.request_log}
+    used = {needed(r.method, r.path, r.query) for r in apiserver.request_log}
     assert used == _granted(render("deploy"))
