@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from agent.control.annotator import AnnotationPatcher
 from agent.control.extenderview import ExtenderView
 from agent.domain.annotations import GPU_ASSIGNED, PREDICATE_NODE, PREDICATE_TIME, predicate_key
 from agent.domain.clusterbook import Assignment, NoFitError
@@ -31,16 +32,10 @@ from agent.platform.kube.pods import PodInfo
 log = logging.getLogger(__name__)
 
 
-class PodApi(Protocol):
-    def get(self, namespace: str, name: str) -> PodInfo: ...
+class PodApi(AnnotationPatcher, Protocol):
+    """The annotation writer the node agent uses, plus reading a pod and binding it."""
 
-    def patch_annotations(
-        self,
-        namespace: str,
-        name: str,
-        annotations: Mapping[str, str | None],
-        resource_version: str | None = None,
-    ) -> PodInfo: ...
+    def get(self, namespace: str, name: str) -> PodInfo: ...
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
 
