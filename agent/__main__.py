@@ -2,7 +2,7 @@
 
 import sys
 
-SIM_COMMANDS = ("sim-workload", "sim-event")
+SIM_COMMANDS = ("sim-gpu", "sim-workload", "sim-event")
 
 
 def _main() -> int:

@@ -62,8 +62,7 @@ class SimulationSettings:
     """Simulated GPUs (``--simulate``) instead of NVML."""
 
     spec: str | None = None  # e.g. "2xH100-80GB"; None: use NVML
-    state_dir: Path = DEFAULT_SIM_STATE_DIR  # shared with sim-workload and sim-event
-    cores: tuple[int, ...] | None = None  # CPU cores backing the GPUs (None: the allowed cores)
+    state_dir: Path = DEFAULT_SIM_STATE_DIR  # the node's GPU server, shared with sim-workload and sim-event
 
 
 @dataclass(frozen=True)

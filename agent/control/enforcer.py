@@ -2,13 +2,14 @@
 
 Each control period (``period_s``), in one thread:
 
-1. thaw every container frozen in the previous period (so nothing stays frozen longer than
-   one period in a row, and measuring never happens while a container is held);
-2. read each GPU's new per-process samples and device utilization, map pids to
-   containers, update the estimators (:mod:`agent.domain.usage`);
-3. compute targets and duties (:mod:`agent.domain.dutycontrol`) from the specs;
-4. freeze each throttled container at ``start + duty x period``, shortest duty first.
+1. read each GPU's new per-process samples and device utilization and measure each
+   container over its GPU's latest whole duty cycles (:mod:`agent.control.usagemeter`);
+2. compute targets, duties and the cycle length each container needs
+   (:mod:`agent.domain.dutycontrol`) from the specs;
+3. thaw and freeze the throttled containers at the edges of their slices of the GPU's
+   cycle (:mod:`agent.control.dutycycle`) that fall in this period, earliest first.
 
+A frozen container is thawed again within one cycle (at most ``max_cycle_s``).
 The actuator (freezer or signals) is behind :class:`~agent.control.actuators.Actuator`;
 this loop does not know which. When the loop ends, for any reason, everything it froze is
 thawed. Time comes from a :class:`~agent.clock.Clock`, so tests drive it virtually.
@@ -20,34 +21,21 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from agent.clock import Clock, SystemClock
 from agent.control.actuators import Actuator, ThrottleTarget
-from agent.domain.dutycontrol import ACTIVE_PERCENT, DutyState, Gains, Member, next_duty, targets
+from agent.control.dutycycle import CycleSchedule
+from agent.control.usagemeter import SampleSource, UsageMeter, container_key
+from agent.domain.dutycontrol import DutyState, Gains, Measurement, Member, next_duty, targets
 from agent.domain.specs import EnforcementSpec
-from agent.domain.usage import GpuUsageEstimator
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
-from agent.platform.gpu.inventory import ProcessSample
 
 log = logging.getLogger(__name__)
 
 FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
-FREEZE_SLOT_S = 0.004  # freezes due this close together share one wake-up
+FREEZE_SLOT_S = 0.004  # actions due this close together share one wake-up
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-
-
-class SampleSource(Protocol):
-    def process_samples(self, index: int, since_us: int) -> list[ProcessSample]: ...
-
-    def device_utilization(self, index: int) -> int: ...
-
-
-def container_key(pod_uid: str, container_id: str) -> str:
-    """The loop's key for a container: a string, whose hash Python caches (a dataclass's
-    is recomputed on every lookup, and the loop does thousands per period)."""
-    return f"{pod_uid}/{container_id}"
 
 
 @dataclass
@@ -66,6 +54,7 @@ class ContainerControl:
     frozen_at: float = 0.0
     throttled: bool = False  # held below what it would use (duty < 1)
     problem: str = ""  # the last actuator error, for status
+    cycle_s: float = 0.0  # its GPU's duty cycle while it is throttled
 
 
 @dataclass(frozen=True)
@@ -73,6 +62,7 @@ class GpuView:
     index: int
     device_percent: float | None
     source: str
+    cycle_s: float = 0.0
 
 
 @dataclass
@@ -110,18 +100,17 @@ class Enforcer:
         enabled: bool = True,
     ) -> None:
         self._gpus = tuple(gpus)
-        self._samples = samples
         self._specs = specs
-        self._owner_of = owner_of
         self._locate = locate
         self.actuator = actuator
         self.period_s = period_s
         self.gains = gains or Gains(period_s=period_s)
         self._clock = clock or SystemClock()
         self.enabled = enabled
-        self._estimators = {g: GpuUsageEstimator[str](self.gains.window_s) for g in self._gpus}
-        self._since = dict.fromkeys(self._gpus, 0)
-        self._seen_us: dict[int, int | None] = {}
+        self.meter = UsageMeter(
+            self._gpus, samples, owner_of, gains=self.gains, clock=self._clock, report=self._report
+        )
+        self._cycles = {g: CycleSchedule() for g in self._gpus}
         self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
@@ -149,105 +138,110 @@ class Enforcer:
         """One control period (see the module docstring)."""
         start = self._clock.monotonic() if start is None else start
         work_start = self._clock.monotonic()
-        self._thaw_all_frozen()
-        self._measure()
-        throttled = self._control(start)
+        index = self.stats.periods
+        wall = self._clock.wall()
+        for schedule in self._cycles.values():
+            schedule.advance(index, wall)
+        self.meter.period_started(index, start)
+        self.meter.read()
+        self.stats.measure_errors = self.meter.errors
+        throttled = self._control(index)
         self.stats.periods += 1
         self.stats.observe(self._clock.monotonic() - work_start)
         if not self.enabled:
             return
-        pending = sorted(throttled, key=lambda c: c.state.duty)
+        actions = sorted(self._actions(throttled, index, start), key=lambda action: action[0])
         i = 0
-        while i < len(pending):
-            wait = start + pending[i].state.duty * self.period_s - self._clock.monotonic()
+        while i < len(actions):
+            wait = actions[i][0] - self._clock.monotonic()
             if wait > 0 and self._clock.sleep(wait, stop):
                 return  # stopping: run()'s finally thaws
-            # Everything due within the next slot goes in this wake-up: one wake-up per
-            # distinct duty, not per container.
+            # Everything due within the next slot goes in this wake-up.
             due = self._clock.monotonic() + FREEZE_SLOT_S
-            while i < len(pending) and start + pending[i].state.duty * self.period_s <= due:
-                self._freeze(pending[i])
+            while i < len(actions) and actions[i][0] <= due:
+                _, control, freeze = actions[i]
+                with self._lock:
+                    if freeze and not control.frozen and control.throttled:
+                        self._freeze(control)
+                    elif not freeze:
+                        self._thaw(control)
                 i += 1
 
-    # Measuring --------------------------------------------------------------------------------
-    def _measure(self) -> None:
-        owners: dict[int, str | None] = {}
-        now = self._clock.monotonic()
-        for gpu in self._gpus:
-            estimator = self._estimators[gpu]
-            try:
-                samples = self._samples.process_samples(gpu, self._since[gpu])
-                device = self._samples.device_utilization(gpu)
-            except VcudaError as err:
-                self.stats.measure_errors += 1
-                self._report(gpu, f"cannot read GPU {gpu} utilization: {err}")
+    def _actions(
+        self, throttled: dict[int, list[ContainerControl]], index: int, start: float
+    ) -> list[tuple[float, ContainerControl, bool]]:
+        """(time, container, freeze?) for this period: a cycle starting thaws its GPU's
+        throttled containers, each is frozen once its duty of the cycle has passed."""
+        actions: list[tuple[float, ContainerControl, bool]] = []
+        for gpu, controls in throttled.items():
+            if not controls:
                 continue
-            if samples:
-                self._since[gpu] = max(self._since[gpu], *(s.timestamp_us for s in samples))
-            rows = []
-            for s in samples:
-                if s.pid not in owners:
-                    owners[s.pid] = self._owner(s.pid)
-                rows.append((owners[s.pid], s.timestamp_us, float(s.sm_util)))
-            estimator.add_samples(rows)
-            estimator.add_device(now, float(device))
-
-    def _owner(self, pid: int) -> str | None:
-        try:
-            ref = self._owner_of(pid)
-        except VcudaError as err:
-            log.debug("pid %d: %s", pid, err)
-            return None
-        return None if ref is None else container_key(ref.pod_uid, ref.container_id)
+            schedule = self._cycles[gpu]
+            schedule.request(max(c.state.cycles for c in controls), index)
+            offset = schedule.offset(index)
+            length_s = schedule.length * self.period_s
+            cycle_start = start - offset * self.period_s
+            for control in controls:
+                control.cycle_s = length_s
+                if offset == 0 and control.frozen:
+                    actions.append((start, control, False))
+                freeze_at = cycle_start + control.state.duty * length_s
+                if (offset == 0 or not control.frozen) and freeze_at < start + self.period_s:
+                    actions.append((max(start, freeze_at), control, True))
+        return actions
 
     # Controlling ------------------------------------------------------------------------------
-    def _control(self, start: float) -> list[ContainerControl]:
+    def _control(self, index: int) -> dict[int, list[ContainerControl]]:
+        """Duties from the measurements; the throttled containers per GPU."""
         by_gpu: dict[int, dict[str, EnforcementSpec]] = {gpu: {} for gpu in self._gpus}
         for spec in self._specs():
             if spec.container_id and spec.gpus and spec.gpus[0] in by_gpu:
                 by_gpu[spec.gpus[0]][container_key(spec.pod_uid, spec.container_id)] = spec
-        wall = self._clock.wall()
-        throttled: list[ContainerControl] = []
+        throttled: dict[int, list[ContainerControl]] = {}
         with self._lock:
             current = {key for specs in by_gpu.values() for key in specs}
             for key in self._controls.keys() - current:
                 self._drop(self._controls.pop(key))
             for gpu, on_gpu in by_gpu.items():
-                estimator = self._estimators[gpu]
-                estimate = estimator.estimate(wall)
-                self._views[gpu] = GpuView(gpu, estimator.device_mean(), estimate.source)
-                members = [
-                    self._member(key, spec, estimate.by_key.get(key, 0.0)) for key, spec in on_gpu.items()
-                ]
+                estimate = self.meter.estimate(gpu)
+                device = self.meter.estimators[gpu].device_mean()
+                cycle_s = self._cycles[gpu].length * self.period_s
+                self._views[gpu] = GpuView(gpu, device, estimate.source, cycle_s)
+                controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
+                measured = {c.key: self._measure(gpu, c.key) for c in controls}
+                members = []
+                for control in controls:
+                    seen = measured[control.key]
+                    if seen is not None:  # else: nothing new to measure yet, keep the last figure
+                        control.used = seen.used
+                    spec = control.spec
+                    members.append(
+                        Member(control.key, spec.policy, spec.cores, spec.cap, spec.ceiling, control.used)
+                    )
                 goals = targets(members)
-                # New samples, or a GPU nobody is using (no samples come then: the containers'
-                # zero use is news too, or an idle container would stay throttled).
-                device = estimator.device_mean()
-                idle = device is not None and device < ACTIVE_PERCENT
-                fresh = estimator.newest_us != self._seen_us.get(gpu) or idle
-                self._seen_us[gpu] = estimator.newest_us
-                age = estimate.newest_sample_age_s or 0.0
-                for key, spec in on_gpu.items():
-                    control = self._controls[key]
-                    control.spec = spec
-                    control.goal = goals[key]
-                    if fresh or control.goal is None:  # no new sample: nothing new to act on
-                        next_duty(control.state, control.used, control.goal, start, self.gains, age_s=age)
+                held = throttled[gpu] = []
+                for control in controls:
+                    control.goal = goals[control.key]
+                    next_duty(control.state, measured[control.key], control.goal, self.gains)
                     if control.goal is None or control.state.duty >= FULL_DUTY:
                         self._release(control)
                     elif self._ensure_target(control):
-                        throttled.append(control)
+                        held.append(control)
                         self._mark(control, True)
         return throttled
 
-    def _member(self, key: str, spec: EnforcementSpec, used: float) -> Member[str]:
+    def _measure(self, gpu: int, key: str) -> Measurement | None:
+        schedule = self._cycles[gpu]
+        return self.meter.measure(gpu, key, schedule.length, schedule.phase, schedule.since_s)
+
+    def _control_of(self, key: str, spec: EnforcementSpec) -> ContainerControl:
         control = self._controls.get(key)
         if control is None:
             # Not throttled until measured above its target: a container starting up (or
             # doing CPU work only) must not be frozen for GPU use it does not have.
             control = self._controls[key] = ContainerControl(spec, key, DutyState())
-        control.used = used
-        return Member(key, spec.policy, spec.cores, spec.cap, spec.ceiling, used)
+        control.spec = spec
+        return control
 
     def _ensure_target(self, control: ContainerControl) -> bool:
         if control.target is None:
@@ -286,11 +280,6 @@ class Enforcer:
         control.frozen = False
         control.frozen_s += self._clock.monotonic() - control.frozen_at
 
-    def _thaw_all_frozen(self) -> None:
-        with self._lock:
-            for control in self._controls.values():
-                self._thaw(control)
-
     def _mark(self, control: ContainerControl, throttled: bool) -> None:
         if control.throttled == throttled:
             return
@@ -319,8 +308,7 @@ class Enforcer:
     def _drop(self, control: ContainerControl) -> None:
         self._release(control)
         for gpu in control.spec.gpus:
-            if gpu in self._estimators:
-                self._estimators[gpu].forget(control.key)
+            self.meter.forget(gpu, control.key)
 
     def release_all(self) -> None:
         """Thaw everything (stop, or the loop died)."""

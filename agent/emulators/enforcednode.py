@@ -1,27 +1,31 @@
 """A whole simulated GPU node with real containers, for enforcement tests, benches and demos.
 
-It runs the fake API server and the kubelet emulator (with pod-resources) in this process,
-a real ``vcuda-agent run`` in Kubernetes mode as a child process whose cgroup root is a
-fresh directory in this machine's cgroup v2 hierarchy, and the container runtime emulator,
-which starts each admitted pod's workload inside its own container cgroup there. The agent
-measures the workloads through the simulated GPU and freezes their real cgroups, exactly
-as on a node. Needs root and a cgroup v2 hierarchy (hybrid nodes have one).
+It runs the fake API server and the kubelet emulator (with pod-resources) in this process;
+the node's GPU server (``vcuda-agent sim-gpu``: the simulated GPUs and their driver) as a
+child process outside every container, so freezing a workload never freezes its GPU and
+the GPUs outlive agent restarts; a real ``vcuda-agent run`` in Kubernetes mode as a child
+process whose cgroup root is a fresh directory in this machine's cgroup v2 hierarchy; and
+the container runtime emulator, which starts each admitted pod's workload (a
+``vcuda-agent sim-workload`` process) inside its own container cgroup there. The agent
+measures the workloads through the simulated GPUs' NVML-style samples and freezes their
+real cgroups, exactly as on a node. Needs root and a cgroup v2 hierarchy (hybrid nodes have
+one).
 
-What a workload really got of its GPU (its CPU core) can be read from its CPU time in
-/proc (``utilization``): the quantity the simulated GPU reports to the agent.
+What a workload really got of its GPU is the GPU server's ground truth (``gpu_seconds``,
+``utilization``), exact to the instant it is asked, not what the late samples said.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import secrets
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,27 +35,13 @@ from agent.emulators.cluster import EmulatedNode, container_id
 from agent.emulators.containers import ContainerRuntime, RunningContainer
 from agent.emulators.kubelet import KubeletEmulator
 from agent.emulators.simnode import sim_agent_command
-from agent.errors import PlatformError
+from agent.errors import PlatformError, SimulationError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import QosClass
-from agent.platform.gpu.simstate import SimStateDir
-from agent.platform.procfs import ProcFS
+from agent.platform.gpu.sim.client import NodeClient, context_times
+from agent.platform.gpu.sim.nodefile import SimNodeDir
 
-HZ = os.sysconf("SC_CLK_TCK")
 NODE = "sim-node"
-
-
-def cpu_seconds(pid: int) -> float:
-    return ProcFS().stat(pid).cpu_ticks / HZ
-
-
-def utilization(containers: list[RunningContainer], seconds: float) -> list[float]:
-    """Percent of one core each container used over the next ``seconds``."""
-    before = [cpu_seconds(c.pid) for c in containers]
-    started = time.monotonic()
-    time.sleep(seconds)
-    elapsed = time.monotonic() - started
-    return [100 * (cpu_seconds(c.pid) - b) / elapsed for c, b in zip(containers, before, strict=True)]
 
 
 def frozen(cgroup: Path) -> bool:
@@ -94,6 +84,7 @@ class EnforcedNode:
     cgroup_root: Path
     spec: str | None  # None: real GPUs (NVML)
     agent_args: tuple[str, ...]
+    gpu_server: subprocess.Popen[bytes] | None = None
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -170,26 +161,93 @@ class EnforcedNode:
             memory_mib=workload_mib,
             extra=extra,
         )
-        record = self.runtime.sim_state_dir / "procs" / f"{box.pid}.json"
-        wait_for(record.exists, 30, f"the workload of {name} registered with the simulated GPU")
+        wait_for(lambda: self.on_gpu(box) or box.proc.poll() is not None, 30, f"{name}'s workload on its GPU")
+        if box.proc.poll() is not None:
+            raise PlatformError(
+                f"the workload of {name} exited with {box.proc.returncode} before reaching its GPU"
+            )
         return box
 
     def gpu_index(self, uuid: str) -> int:
-        node = SimStateDir(self.runtime.sim_state_dir).read_node()
+        node = SimNodeDir(self.runtime.sim_state_dir).read_node()
         return next(slot.index for slot in node.gpus if slot.uuid == uuid)
+
+    def truth(self) -> dict[str, Any]:
+        """The GPU server's ground truth (``truth`` in :mod:`agent.platform.gpu.sim.protocol`)."""
+        client = NodeClient(SimNodeDir(self.runtime.sim_state_dir).socket)
+        try:
+            return client.truth()
+        finally:
+            client.close()
+
+    def gpu_seconds(self, containers: Sequence[RunningContainer]) -> list[float]:
+        """GPU seconds each container's workload has run so far (0 once it exited)."""
+        ran = context_times(self.truth())
+        return [ran.get(c.pid, 0.0) for c in containers]
+
+    def utilization(self, containers: Sequence[RunningContainer], seconds: float) -> list[float]:
+        """Percent of its GPU each container really got over the next ``seconds``."""
+        before = self.gpu_seconds(containers)
+        started = time.monotonic()
+        time.sleep(seconds)
+        after = self.gpu_seconds(containers)
+        elapsed = time.monotonic() - started
+        return [100 * (a - b) / elapsed for a, b in zip(after, before, strict=True)]
+
+    def on_gpu(self, box: RunningContainer) -> bool:
+        """The workload has its context on the GPU."""
+        return box.pid in context_times(self.truth())
 
     def stop_agent(self, signum: int = signal.SIGTERM) -> int:
         self.agent.send_signal(signum)
         return self.agent.wait(timeout=20)
 
 
+def start_gpu_server(
+    spec: str, sim_dir: Path, log_path: Path, gpu_args: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """``vcuda-agent sim-gpu`` for the node, returned once its socket answers."""
+    cmd = [sys.executable, "-m", "agent", "sim-gpu", "--simulate", spec, "--node-name", NODE]
+    cmd += ["--sim-state-dir", str(sim_dir), *gpu_args]
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    root = SimNodeDir(sim_dir)
+
+    def ready() -> bool:
+        if server.poll() is not None:
+            raise PlatformError(
+                f"the GPU server exited with {server.returncode}: {log_path.read_text()[-500:]}"
+            )
+        try:
+            return root.read_node().server_pid == server.pid
+        except SimulationError:
+            return False
+
+    wait_for(ready, 30, "the simulated GPU server")
+    return server
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def enforced_node(
-    workdir: Path, spec: str | None = "1xH100-80GB", *, sim_cores: str = "1", agent_args: tuple[str, ...] = ()
+    workdir: Path,
+    spec: str | None = "1xH100-80GB",
+    *,
+    gpu_args: tuple[str, ...] = (),
+    agent_args: tuple[str, ...] = (),
 ) -> Iterator[EnforcedNode]:
-    """The node, its agent started; everything stopped and removed on exit. ``spec`` None:
-    the machine's real GPUs through NVML (bench/gpu_enforcement.py). ``sim_cores``: the CPU
-    cores backing simulated GPUs (on a 2-core machine keep core 0 for the agent)."""
+    """The node, its GPU server and agent started; everything stopped and removed on exit.
+    ``spec`` None: the machine's real GPUs through NVML (bench/gpu_enforcement.py).
+    ``gpu_args``: options of ``vcuda-agent sim-gpu`` (sample period, timeslice, MPS...)."""
     layout = detect_layout()
     if layout.v2_root is None:
         raise PlatformError("the enforced simulated node needs a cgroup v2 hierarchy (pure v2 or hybrid)")
@@ -199,8 +257,6 @@ def enforced_node(
     kubelet_config = workdir / "kubelet-config.yaml"
     kubelet_config.write_text("cgroupDriver: cgroupfs\n")
     args: tuple[str, ...] = ("--cgroup-root", str(root), "--kubelet-config", str(kubelet_config))
-    if spec is not None:
-        args += ("--sim-cores", sim_cores)
     api = FakeApiServer(bookmark_interval_s=0.5)
     api.start()
     api.create_node(NODE, labels={"nvidia-device-enable": "enable"})
@@ -212,18 +268,16 @@ def enforced_node(
         workdir, api, kubelet, EmulatedNode(api, kubelet, NODE), runtime, root, spec, args + agent_args
     )
     try:
+        if spec is not None:
+            node.gpu_server = start_gpu_server(spec, workdir / "sim", workdir / "gpu.log", gpu_args)
         node.start_agent()
         yield node
     finally:
         for agent in node.agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait()
+            stop_process(agent)
         runtime.stop()
+        if node.gpu_server is not None:
+            stop_process(node.gpu_server)
         kubelet.stop()
         api.stop()
         for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):

@@ -44,9 +44,7 @@ class NodeAgent:
         sim = settings.simulation
         plugin = settings.plugin
         driver_root = plugin.driver_root_in_agent or plugin.driver_root
-        self.backend = backend or open_backend(
-            sim.spec, settings.node_name, sim.state_dir, sim.cores, driver_root
-        )
+        self.backend = backend or open_backend(sim.spec, settings.node_name, sim.state_dir, driver_root)
         try:
             self._build(settings, config)
         except BaseException:

@@ -13,7 +13,8 @@ the same names, arguments and return shapes as nvidia-ml-py 13:
 * the constants (``NVML_*``, ``nvmlEventType*``, ``NVMLError*``) are pynvml's own.
 
 Test controls: ``inject_xid``, ``lose``, ``set_process_samples``, ``set_processes``,
-``set_utilization``, ``fail_init``, ``fail_call``; ``call_counts`` counts calls by name.
+``set_utilization``, ``set_utilization_samples``, ``fail_init``, ``fail_call``;
+``call_counts`` counts calls by name.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class _Device:
     compute: list[tuple[int, int | None]] = field(default_factory=list)
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
     utilization: tuple[int, int] = (0, 0)
+    utilization_stamps: list[int] = field(default_factory=list)  # µs of device utilization samples
 
 
 @dataclass
@@ -194,6 +196,11 @@ class FakeNvml(types.ModuleType):
     def set_utilization(self, index: int, gpu: int, memory: int = 0) -> None:
         with self._cond:
             self._devices[index].utilization = (gpu, memory)
+
+    def set_utilization_samples(self, index: int, stamps_us: Sequence[int]) -> None:
+        """Timestamps of the device's utilization samples (nvmlDeviceGetSamples)."""
+        with self._cond:
+            self._devices[index].utilization_stamps = list(stamps_us)
 
     @property
     def live_event_sets(self) -> int:
@@ -457,6 +464,20 @@ class FakeNvml(types.ModuleType):
         with self._cond, _version_mismatch_as_binding_does("nvmlDeviceGetGraphicsRunningProcesses"):
             device = self._device("nvmlDeviceGetGraphicsRunningProcesses", handle)[1]
             return self._process_objects(device.graphics)
+
+    def nvmlDeviceGetSamples(self, handle: Any, samplingType: int, timeStamp: int) -> tuple[int, list[Any]]:
+        with self._cond:
+            device = self._device("nvmlDeviceGetSamples", handle)[1]
+            if samplingType != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+                raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            stamps = [t for t in device.utilization_stamps if t > timeStamp]
+            if not stamps:
+                raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+            samples = (pynvml.c_nvmlSample_t * len(stamps))()
+            for sample, stamp in zip(samples, stamps, strict=True):
+                sample.timeStamp = stamp
+                sample.sampleValue.uiVal = device.utilization[0]
+            return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, list(samples[0 : len(stamps)])
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> pynvml.c_nvmlUtilization_t:
         with self._cond:

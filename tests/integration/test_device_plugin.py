@@ -14,7 +14,8 @@ from agent.domain.ids import MAX_ID_LENGTH, decode
 from agent.emulators.kubelet import AdmissionError, KubeletEmulator, PluginConnection
 from agent.emulators.pods import ContainerRequest, PodSpec
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.client import post_event
+from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.kubelet.channel import rpc_error_parts
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from tests.conftest import AgentProcess
@@ -23,7 +24,7 @@ Start = Callable[..., AgentProcess]
 
 
 def gpu_of(agent: AgentProcess, device_id: str) -> int:
-    uuids = {slot.uuid: slot.index for slot in SimStateDir(agent.sim_dir).read_node().gpus}
+    uuids = {slot.uuid: slot.index for slot in SimNodeDir(agent.sim_dir).read_node().gpus}
     return uuids[decode(device_id).gpu_uuid]
 
 
@@ -65,28 +66,27 @@ def test_list_and_watch_contents(start_agent: Start, kubelet: KubeletEmulator) -
 def test_health_change_reaches_kubelet_within_a_second(start_agent: Start, kubelet: KubeletEmulator) -> None:
     agent = start_agent()
     plugin = kubelet.wait_for_plugin()
-    sim = SimStateDir(agent.sim_dir)
     updates = len(plugin.updates)
 
-    sim.post_event(1, EventKind.XID, xid=13)  # application error: ignored by policy
+    post_event(agent.sim_dir, 1, EventKind.XID.value, xid=13)  # application error: ignored by policy
     assert not kubelet.wait_for(lambda: len(plugin.updates) > updates, 1.5)
 
     started = time.monotonic()
-    sim.post_event(1, EventKind.XID, xid=79)
+    post_event(agent.sim_dir, 1, EventKind.XID.value, xid=79)
     assert kubelet.wait_for(lambda: len(plugin.updates) > updates, 1.0)
     assert plugin.updates[-1] - started < 1.0
     bad = {gpu_of(agent, d.ID) for d in plugin.devices.values() if d.health == "Unhealthy"}
     assert bad == {1}
     assert unhealthy(plugin) == 100
 
-    sim.post_event(1, EventKind.RECOVERED)
+    post_event(agent.sim_dir, 1, EventKind.RECOVERED.value)
     assert kubelet.wait_for(lambda: unhealthy(plugin) == 0, 1.0)
 
 
 def test_lost_gpu_is_refused(start_agent: Start, kubelet: KubeletEmulator) -> None:
     agent = start_agent()
     plugin = kubelet.wait_for_plugin()
-    SimStateDir(agent.sim_dir).post_event(0, EventKind.LOST)
+    post_event(agent.sim_dir, 0, EventKind.LOST.value)
     assert kubelet.wait_for(lambda: unhealthy(plugin) == 100, 1.0)
     gpu0 = sorted(d.ID for d in plugin.devices.values() if gpu_of(agent, d.ID) == 0)
     with pytest.raises(grpc.RpcError) as err:

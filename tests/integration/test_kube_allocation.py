@@ -12,7 +12,7 @@ import pytest
 
 from agent.domain.ids import decode
 from agent.emulators.kubelet import AdmissionError, PodAdmission
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.kubelet.channel import rpc_error_parts, unix_target
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -31,7 +31,7 @@ def start(start_agent: Start, cluster: Cluster) -> tuple[AgentProcess, int]:
 
 
 def gpu_indexes(agent: AgentProcess, ids: list[str]) -> set[int]:
-    uuids = {g.uuid: g.index for g in SimStateDir(agent.sim_dir).read_node().gpus}
+    uuids = {g.uuid: g.index for g in SimNodeDir(agent.sim_dir).read_node().gpus}
     return {uuids[decode(i).gpu_uuid] for i in ids}
 
 

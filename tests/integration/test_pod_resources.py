@@ -14,7 +14,7 @@ import pytest
 from agent.emulators.kubelet import KubeletEmulator
 from agent.emulators.pods import CORE_RESOURCE, ContainerRequest, PodSpec
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.client import post_event
 from agent.platform.kubelet.channel import rpc_error_parts, unix_target
 from agent.platform.kubelet.pb import podresources_v1_pb2 as pr
 from agent.platform.kubelet.pb import podresources_v1_pb2_grpc as pr_grpc
@@ -108,7 +108,7 @@ def test_list_get_and_allocatable(
     assert len(plugin.healthy_ids()) == 800
     assert client.allocatable("example.com/other") == []
     # An unhealthy GPU's IDs leave the allocatable set (kubelet skips unhealthy devices).
-    SimStateDir(agent.sim_dir).post_event(7, EventKind.XID, xid=79)
+    post_event(agent.sim_dir, 7, EventKind.XID.value, xid=79)
     assert kubelet.wait_for(lambda: len(plugin.healthy_ids()) == 700, 5.0)
     assert len(client.allocatable(CORE_RESOURCE)) == 700
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from agent.domain.ids import encode
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.kubelet.channel import unix_target
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -64,7 +64,7 @@ def test_the_cluster_role_is_exactly_what_the_agent_uses(
         pod_manifest("ok", ("cuda", 10, 1024), annotations={"nvidia.com/vcuda-core-limit": "x"})
     )
     cluster.node.create_pod(pod_manifest("greedy", ("cuda", 10, 10**6)))
-    uuid = SimStateDir(agent.sim_dir).read_node().gpus[0].uuid
+    uuid = SimNodeDir(agent.sim_dir).read_node().gpus[0].uuid
     request = pb.AllocateRequest(
         container_requests=[
             pb.ContainerAllocateRequest(devices_ids=[encode(uuid, 90 + n) for n in range(10)])

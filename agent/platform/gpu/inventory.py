@@ -139,6 +139,10 @@ class GpuBackend(Protocol):
         """Current SM utilization of the whole GPU, in percent."""
         ...
 
+    def sample_period_s(self, index: int) -> float | None:
+        """The driver's per-process sample period, seconds (None: unknown)."""
+        ...
+
     def close(self) -> None:
         """Release the backend (NVML shutdown, watchers stopped)."""
         ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -330,6 +331,25 @@ class NvmlBackend:
         nvml, handle = self._nvml, self._handle(index)
         with self._call(index):
             return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+    def sample_period_s(self, index: int) -> float | None:
+        """The driver's sample period: the median gap between the device's utilization
+        samples (``nvmlDeviceGetSamples``), taken every period whether the GPU is busy or not.
+        None when the driver does not say (then the estimator learns it from the samples)."""
+        nvml, handle = self._nvml, self._handle(index)
+        try:
+            with self._call(index):
+                _kind, samples = nvml.nvmlDeviceGetSamples(handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+        except NvmlError as err:
+            log.info(
+                "GPU %d: no device utilization samples (%s): sample period learned from samples", index, err
+            )
+            return None
+        stamps = sorted({int(s.timeStamp) for s in samples})
+        gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
+        if not gaps:
+            return None
+        return gaps[len(gaps) // 2] / 1_000_000
 
     # --- lifecycle ----------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ from agent.emulators.pods import load_manifests, pod_from_manifest
 from agent.emulators.simnode import sim_agent_command
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.client import post_event
+from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.surfaces.cli import demo_live
 from agent.surfaces.cli.demo_view import NODE, ClusterView, ledger_lines, section
 
@@ -84,7 +85,7 @@ class Demo:
         self.workdir = workdir
         self.spec = spec
         self.plugin_dir = workdir / "device-plugins"
-        self.sim = SimStateDir(workdir / "sim")
+        self.sim = SimNodeDir(workdir / "sim")
         self.port = _free_port()
         self.pod_resources = workdir / "pod-resources.sock"
         self.kubelet = KubeletEmulator(self.plugin_dir, pod_resources_socket=self.pod_resources)
@@ -181,7 +182,7 @@ class Demo:
         for index, health in sorted(per_gpu.items()):
             print(
                 f"  GPU {index}: {len(health)} device IDs, {health.count('Healthy')} Healthy, "
-                f"NUMA node {sorted(numa[index])}, simulated on CPU core {node.core_of(index)}"
+                f"NUMA node {sorted(numa[index])}, NVML sample period {node.gpu(index).sample_period_s:.3f} s"
             )
         print(f"  example ID: {sorted(plugin.devices)[0]}")
         print(f"/readyz: {self._http('/readyz')}")
@@ -232,7 +233,7 @@ class Demo:
         before = len(plugin.updates)
         capacity = self.view.capacity()
         started = time.monotonic()
-        self.sim.post_event(1, EventKind.XID, xid=79, detail="demo")
+        post_event(self.sim.root, 1, EventKind.XID.value, xid=79, detail="demo")
         if not self.kubelet.wait_for(lambda: len(plugin.updates) > before, 5):
             raise AdmissionError("ListAndWatch sent no update within 5 s of the XID")
         unhealthy = sum(1 for d in plugin.devices.values() if d.health != "Healthy")

@@ -1,19 +1,19 @@
 """The demo's live act: a simulated 2-GPU node whose pods run as real processes in real
-container cgroups (``agent.emulators.enforcednode``), with a table refreshed every second
-that shows each pod's use against its cap, its memory against its quota, the duty cycle
-the agent holds it to and the agent's last action on it.
+container cgroups (``agent.emulators.enforcednode``) on the simulated GPUs' engine, with a
+table refreshed every second that shows each pod's use against its cap (as the agent
+measures it from late NVML samples, and as the GPU really ran it), its memory against its
+quota, the duty cycle the agent holds it to and the agent's last action on it.
 
-The story: GPU 0 is shared by the example pod ``cuda-share-50`` (capped at 50 %), a
-fixed-share 30 pod, a best-effort pod that soaks up what is left and a pod that grows past
-its memory quota and is killed; GPU 1 runs a burst-share pod alone (it borrows the idle
-GPU) until a fixed-share neighbour arrives and it is brought back to its request. An
-ignored XID 13 shows in the metrics. Then the agent is SIGKILLed while it throttles and the
-watchdog thaws every container."""
+The story: GPU 0 is shared by the example pod ``cuda-share-50`` (a training loop capped at
+50 %), a fixed-share 30 pod running CUDA graphs, a best-effort inference server and a pod
+that grows past its memory quota and is killed; GPU 1 runs a burst-share pod alone (it
+borrows the idle GPU) until a fixed-share neighbour arrives and it is brought back to its
+request. An ignored XID 13 shows in the metrics. Then the agent is SIGKILLed while it
+throttles and the watchdog thaws every container."""
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -27,10 +27,10 @@ from rich.text import Text
 
 from agent.domain.annotations import CORE_LIMIT, POLICY
 from agent.emulators.containers import RunningContainer
-from agent.emulators.enforcednode import EnforcedNode, cpu_seconds, enforced_node, frozen, wait_for
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, frozen, wait_for
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simstate import SimStateDir
+from agent.platform.gpu.sim.client import post_event
 from agent.surfaces.cli.demo_table import PodRow, gpu_line, pod_table
 from agent.surfaces.statusclient import fetch_status
 
@@ -49,6 +49,7 @@ class PodPlan:
     annotations: dict[str, str] = field(default_factory=dict)
     memory_mib: int = 1024
     busy: float = 1.0
+    pattern: tuple[str, ...] = ()  # sim-workload options: its pattern (default: a training loop)
     grow: tuple[str, ...] = ()  # sim-workload options that make it grow past its quota
     workload_mib: int = 0
     # Its RM_ALLOC / RM_CONTROL ioctls, as a CUDA process makes them: the tracer attributes them.
@@ -58,8 +59,14 @@ class PodPlan:
 # Admission order matters: the agent binpacks shares, so the first four fill GPU 0.
 PODS = (
     PodPlan("cuda-share-50", 50, {CORE_LIMIT: "50"}, memory_mib=2048, workload_mib=1600),
-    PodPlan("fixed-30", 30, {POLICY: "fixed-share"}, workload_mib=600),
-    PodPlan("best-effort-10", 10, {POLICY: "best-effort"}, busy=0.1, workload_mib=300),
+    PodPlan("fixed-30", 30, {POLICY: "fixed-share"}, workload_mib=600, pattern=("--pattern", "graph")),
+    PodPlan(
+        "best-effort-10",
+        10,
+        {POLICY: "best-effort"},
+        workload_mib=300,
+        pattern=("--pattern", "infer", "--rate", "12"),  # about 10 % of the GPU
+    ),
     PodPlan(
         "leaky-10",
         10,
@@ -77,14 +84,8 @@ NEIGHBOUR = PodPlan("fixed-50", 50, {POLICY: "fixed-share"}, workload_mib=700)
 class Tracked:
     plan: PodPlan
     box: RunningContainer
-    cpu: float = 0.0  # its CPU seconds at ``sampled``
+    gpu_s: float = 0.0  # GPU seconds it had run at ``sampled`` (the GPU's ground truth)
     sampled: float = 0.0  # time.monotonic() of that reading
-
-
-def sim_cores() -> str:
-    """Two cores for the two simulated GPUs: the last two, or what there is."""
-    cores = sorted(os.sched_getaffinity(0))
-    return ",".join(str(c) for c in cores[-2:])
 
 
 def run(workdir: Path, duration: float | None, metrics_address: str, console: Console) -> None:
@@ -92,7 +93,7 @@ def run(workdir: Path, duration: float | None, metrics_address: str, console: Co
     cgroup v2 hierarchy; raises PlatformError where there is none."""
     logging.getLogger("agent.emulators").setLevel(logging.WARNING)  # the table tells the story
     agent_args = ("--metrics-address", metrics_address)
-    with enforced_node(workdir, "2xH100-80GB", sim_cores=sim_cores(), agent_args=agent_args) as node:
+    with enforced_node(workdir, "2xH100-80GB", agent_args=agent_args) as node:
         url = wait_for(lambda: _metrics_url(node), 10, "the agent's metrics address")
         console.print(f"metrics: {url}  (Prometheus can scrape it; `vcuda-agent status` works too)")
         console.print(f"status: vcuda-agent status --socket {node.state_dir / 'status.sock'}")
@@ -118,10 +119,10 @@ def _start(node: EnforcedNode, plan: PodPlan, console: Console) -> Tracked:
         busy=plan.busy,
         annotations=plan.annotations,
         workload_mib=plan.workload_mib,
-        extra=plan.grow + plan.driver,
+        extra=plan.pattern + plan.grow + plan.driver,
     )
     console.print(f"admitted pod {plan.name} ({plan.cores} cores, {plan.memory_mib} MiB) on GPU {box.gpu}")
-    return Tracked(plan, box, cpu_seconds(box.pid), time.monotonic())
+    return Tracked(plan, box, node.gpu_seconds([box])[0], time.monotonic())
 
 
 class LiveAct:
@@ -178,7 +179,10 @@ class LiveAct:
 
     def _view(self) -> Group:
         status = fetch_status(self.node.state_dir / "status.sock")
-        rows = [PodRow(p.plan.name, self._real(p), self._exited(p)) for p in self.pods]
+        rows = [
+            PodRow(p.plan.name, real, self._exited(p))
+            for p, real in zip(self.pods, self._real(), strict=True)
+        ]
         left = "Ctrl-C to stop" if self.duration is None else f"of {self.duration:.0f} s"
         title = f"vcuda-agent demo: t = {self.elapsed():4.0f} s {left}"
         for line in self._new_actions(status):
@@ -189,18 +193,20 @@ class LiveAct:
         parts: list[Any] = [pod_table(title, status, rows), Text(gpu_line(status), style="dim")]
         return Group(*parts, *(Text(line) for line in self.events))
 
-    @staticmethod
-    def _real(pod: Tracked) -> float | None:
-        """Percent of its core the workload got since the last refresh (what the GPU gave it)."""
-        if pod.box.proc.poll() is not None:
-            return None
+    def _real(self) -> list[float | None]:
+        """Percent of its GPU each workload really got since the last refresh (the GPU
+        server's ground truth, not NVML's late samples)."""
         try:
-            cpu, now = cpu_seconds(pod.box.pid), time.monotonic()
+            now_s = self.node.gpu_seconds([p.box for p in self.pods])
         except VcudaError:
-            return None
-        real = 100 * (cpu - pod.cpu) / max(now - pod.sampled, 1e-3)
-        pod.cpu, pod.sampled = cpu, now
-        return real
+            return [None] * len(self.pods)
+        now = time.monotonic()
+        reals: list[float | None] = []
+        for pod, gpu_s in zip(self.pods, now_s, strict=True):
+            running = pod.box.proc.poll() is None
+            reals.append(100 * (gpu_s - pod.gpu_s) / max(now - pod.sampled, 1e-3) if running else None)
+            pod.gpu_s, pod.sampled = gpu_s, now
+        return reals
 
     @staticmethod
     def _exited(pod: Tracked) -> str:
@@ -223,7 +229,7 @@ class LiveAct:
         return lines
 
     def _xid(self) -> None:
-        SimStateDir(self.node.runtime.sim_state_dir).post_event(1, EventKind.XID, xid=13, detail="demo")
+        post_event(self.node.runtime.sim_state_dir, 1, EventKind.XID.value, xid=13, detail="demo")
         self.console.print("  (XID 13, an application error, posted on GPU 1: counted, GPU stays healthy)")
 
     def _neighbour(self) -> None:

@@ -1,6 +1,6 @@
 """The live demo's table: one row per pod, built from the agent's status document
-(``surfaces/statusview.py``) and what each workload really got (its CPU time: the
-simulated GPU's quantity)."""
+(``surfaces/statusview.py``) and what each workload really got (the simulated GPU's ground
+truth)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class PodRow:
     """What the table knows of one pod besides the status document."""
 
     pod: str
-    real_percent: float | None  # CPU time over the last refresh; None before the first
+    real_percent: float | None  # GPU time really run over the last refresh; None when it exited
     exited: str  # "" while running, else why it ended (e.g. "killed")
 
 

@@ -141,11 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_enforcement_options(p)
     sim.add_sim_state_dir(p)
-    p.add_argument(
-        "--sim-cores",
-        metavar="LIST",
-        help="CPU cores backing simulated GPUs (default: all allowed cores)",
-    )
     p.set_defaults(func=run.main)
 
     p = sub.add_parser(

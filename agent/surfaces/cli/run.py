@@ -55,12 +55,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             health = HealthSettings(ignored_xids=parse_int_set(args.ignored_xids, "--ignored-xids"))
         except ConfigError as err:
             problems += err.problems
-    cores = None
-    if args.sim_cores:
-        try:
-            cores = tuple(sorted(parse_int_set(args.sim_cores, "--sim-cores")))
-        except ConfigError as err:
-            problems += err.problems
     enforcement = enforcement_from_args(args, problems)
     if problems:
         raise ConfigError(problems)
@@ -76,7 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             driver_root_in_agent=driver_in_agent,
         ),
         health=health,
-        simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir), cores=cores),
+        simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir)),
         metrics=MetricsSettings(
             host=host, port=port, enabled=not args.no_metrics, legacy=args.legacy_metrics
         ),

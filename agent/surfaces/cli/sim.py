@@ -1,63 +1,162 @@
-"""Commands that act on a simulated GPU node."""
+"""Commands of a simulated GPU node: its GPU server, its workloads, its health events."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.errors import VcudaError
+from agent.errors import InvalidSpecError, VcudaError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simstate import SimStateDir
-from agent.platform.gpu.simworkload import WorkloadSpec, run_workload
+from agent.platform.gpu.sim.client import NodeClient
+from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.inventory import sim_gpus
+from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
+from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
+from agent.platform.gpu.sim.server import GpuServer
+from agent.platform.gpu.sim.spec import parse_simulate_spec
+from agent.platform.gpu.sim.workload import WorkloadSpec, report, run_workload, write_report
 from agent.settings import DEFAULT_SIM_STATE_DIR
 from agent.surfaces.cli.common import common_options, configure_logging
 
 log = logging.getLogger(__name__)
 
 
-def workload_main(args: argparse.Namespace) -> int:
-    """Run a workload on a simulated GPU: pinned to the GPU's CPU core, it burns --busy
-    of that core (its "SM utilization") and declares --memory-mib of GPU memory (--grow-to-mib
-    after --grow-after seconds, to test memory quotas), until --duration ends or SIGTERM/SIGINT."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _s, _f: stop.set())
-    # getattr: the growth options exist only where the parser declares them.
-    grow_after = getattr(args, "grow_after", None)
-    spec = WorkloadSpec(
-        gpu=args.gpu,
-        memory_mib=args.memory_mib,
-        busy=args.busy,
-        duration_s=args.duration,
-        grow_to_mib=getattr(args, "grow_to_mib", None),
-        grow_after_s=0.0 if grow_after is None else grow_after,
-        driver_ioctls=bool(getattr(args, "driver_ioctls", False)),
-    )
+def gpu_main(args: argparse.Namespace) -> int:
+    """Serve a node's simulated GPUs on <sim-state-dir>/gpu.sock: each GPU executes the
+    work its contexts queue (time-sliced, or MPS), reports NVML-style samples late and takes
+    injected health events. `vcuda-agent run --simulate` starts one when none serves its
+    --sim-state-dir; start one yourself so that it outlives agent restarts. SIGTERM or SIGINT
+    stops it."""
     try:
-        run_workload(Path(args.sim_state_dir), spec, stop)
+        models = parse_simulate_spec(args.simulate)
+        mps = _gpu_set(args.mps, len(models))
+        configs = []
+        for i, model in enumerate(models):
+            config = EngineConfig(
+                memory_bytes=model.memory_mib << 20,
+                timeslice_s=args.timeslice_ms / 1000,
+                sample_period_s=args.sample_period
+                if args.sample_period is not None
+                else model.sample_period_s,
+                sample_delay_s=args.sample_delay,
+                sample_jitter_s=args.sample_jitter,
+                queue_depth=args.queue_depth,
+                mps=i in mps,
+                seed=args.seed,
+            )
+            config.validate()
+            configs.append(config)
+    except VcudaError as err:
+        log.error("%s", err)
+        return 2
+    gpus = sim_gpus(args.node_name, models)
+    slots = tuple(
+        SimGpuSlot(g.index, g.uuid, g.model, g.memory_mib, c.sample_period_s, c.mps)
+        for g, c in zip(gpus, configs, strict=True)
+    )
+    server = GpuServer(
+        SimNode(args.node_name, args.simulate, os.getpid(), slots),
+        configs,
+        SimNodeDir(Path(args.sim_state_dir)),
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _s, _f: server.stop())
+    try:
+        server.listen()
+        if args.exit_with_fd is not None:
+            server.watch_fd(args.exit_with_fd)
+        log.info("simulated GPUs %s of node %s on %s", args.simulate, args.node_name, server.root.socket)
+        server.serve()
     except VcudaError as err:
         log.error("%s", err)
         return 1
     return 0
 
 
-def event_main(args: argparse.Namespace) -> int:
-    """Inject a health event into a running simulated node: an XID error (critical
-    ones make the GPU Unhealthy), the GPU falling off the bus, or its recovery."""
-    state = SimStateDir(Path(args.sim_state_dir))
+def _gpu_set(text: str | None, count: int) -> set[int]:
+    if not text:
+        return set()
+    if text == "all":
+        return set(range(count))
     try:
-        node = state.read_node()
-        node.core_of(args.gpu)  # validates the index
-        if args.lost:
-            state.post_event(args.gpu, EventKind.LOST, detail="fell off the bus (injected)")
-        elif args.recover:
-            state.post_event(args.gpu, EventKind.RECOVERED, detail="reset (injected)")
-        else:
-            state.post_event(args.gpu, EventKind.XID, xid=args.xid, detail="injected")
+        indexes = {int(t) for t in text.split(",") if t.strip()}
+    except ValueError as err:
+        raise InvalidSpecError(f"--mps {text!r}: expected GPU indexes like 0,1 or 'all'") from err
+    bad = sorted(i for i in indexes if not 0 <= i < count)
+    if bad:
+        raise InvalidSpecError(f"--mps {text!r}: no GPU {bad[0]} (GPUs 0..{count - 1})")
+    return indexes
+
+
+def workload_main(args: argparse.Namespace) -> int:
+    """Run a CUDA-like workload on a simulated GPU: a real process that submits kernels to
+    its GPU through its own context and obeys CUDA's blocking rules (a launch waits while
+    the queue is full, a sync until it is empty), in one of the patterns below, holding
+    --memory-mib of GPU memory, until --duration ends or SIGTERM/SIGINT. Its MPS share is read
+    from CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, as a CUDA client does."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _s, _f: stop.set())
+    pattern = PatternSpec(
+        pattern=args.pattern,
+        kernels=args.kernels,
+        kernel_ms=args.kernel_ms,
+        busy=args.busy,
+        rate=args.rate,
+        sync_every=args.sync_every,
+        on_s=args.on,
+        off_s=args.off,
+        seed=args.seed,
+    )
+    spec = WorkloadSpec(
+        gpu=args.gpu,
+        pattern=pattern,
+        memory_mib=args.memory_mib,
+        duration_s=args.duration,
+        grow_to_mib=args.grow_to_mib,
+        grow_after_s=args.grow_after,
+        driver_ioctls=args.driver_ioctls,
+    )
+    try:
+        stats = run_workload(Path(args.sim_state_dir), spec, stop)
+        content = report(spec, stats)
+        if args.report:
+            write_report(Path(args.report), content)
+    except VcudaError as err:
+        log.error("%s", err)
+        return 1
+    if stats.requests:
+        log.info(
+            "%d requests, latency p50 %s ms, p99 %s ms",
+            stats.requests,
+            content["latency_p50_ms"],
+            content["latency_p99_ms"],
+        )
+    return 0
+
+
+def event_main(args: argparse.Namespace) -> int:
+    """Inject a health event into a running simulated node: an XID error (critical ones make
+    the GPU Unhealthy), the GPU falling off the bus (its contexts are lost), or its recovery."""
+    root = SimNodeDir(Path(args.sim_state_dir))
+    try:
+        node = root.read_node()
+        node.gpu(args.gpu)  # validates the index
+        client = NodeClient(root.socket)
+        try:
+            if args.lost:
+                client.post_event(args.gpu, EventKind.LOST.value, detail="fell off the bus (injected)")
+            elif args.recover:
+                client.post_event(args.gpu, EventKind.RECOVERED.value, detail="reset (injected)")
+            else:
+                client.post_event(args.gpu, EventKind.XID.value, xid=args.xid, detail="injected")
+        finally:
+            client.close()
     except VcudaError as err:
         log.error("%s", err)
         return 1
@@ -68,34 +167,89 @@ def event_main(args: argparse.Namespace) -> int:
 def add_parsers(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
-    """``sim-workload`` and ``sim-event``."""
+    """``sim-gpu``, ``sim-workload`` and ``sim-event``."""
+    p = sub.add_parser(
+        "sim-gpu", parents=[common], help="serve a node's simulated GPUs", description=gpu_main.__doc__
+    )
+    p.add_argument("--simulate", required=True, metavar="SPEC", help="the GPUs, e.g. 2xH100-80GB")
+    p.add_argument("--node-name", default="sim-node", help="the node's name (the GPUs' UUIDs derive from it)")
+    p.add_argument("--timeslice-ms", type=float, default=2.0, help="time-slice between contexts (default 2)")
+    p.add_argument(
+        "--sample-period",
+        type=float,
+        metavar="S",
+        help="NVML sample period, 0.01..1 s (default: the model's, 1/6 s)",
+    )
+    p.add_argument(
+        "--sample-delay",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="samples arrive this late (default 0.25)",
+    )
+    p.add_argument(
+        "--sample-jitter",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="...plus up to this much more (default 0.25)",
+    )
+    p.add_argument(
+        "--queue-depth", type=int, default=1024, help="launches a context queues before one blocks"
+    )
+    p.add_argument("--mps", metavar="GPUS", help="GPUs in MPS mode: indexes like 0,1, or all (default none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples' jitter")
+    p.add_argument(
+        "--exit-with-fd", type=int, help=argparse.SUPPRESS
+    )  # the agent's pipe: stop when it closes
+    add_sim_state_dir(p)
+    p.set_defaults(func=gpu_main)
+
     p = sub.add_parser(
         "sim-workload",
         parents=[common],
-        help="a workload on a simulated GPU (burns its CPU core)",
+        help="a CUDA-like workload on a simulated GPU",
         description=workload_main.__doc__,
     )
     p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
-    p.add_argument("--memory-mib", type=int, default=0, help="GPU memory this workload declares, in MiB")
-    p.add_argument("--busy", type=float, default=1.0, help="share of the GPU (its CPU core) to use, 0..1")
-    p.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM/SIGINT)")
     p.add_argument(
-        "--grow-to-mib",
-        type=int,
-        metavar="N",
-        help="after --grow-after seconds, declare N MiB of GPU memory instead (to try memory quotas)",
+        "--pattern",
+        choices=PATTERNS,
+        default="train",
+        help="train: steps of kernels then a sync; infer: requests at --rate; burn: a full queue of long "
+        "kernels; graph: CUDA graphs; bursty: train for --on s, idle for --off s (default train)",
+    )
+    p.add_argument("--memory-mib", type=int, default=0, help="GPU memory it allocates, in MiB")
+    p.add_argument(
+        "--busy", type=float, default=1.0, help="train/bursty: share of an idle GPU its steps keep busy"
     )
     p.add_argument(
-        "--grow-after",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="seconds before --grow-to-mib applies (default 0)",
+        "--kernels", type=int, help="kernels per step, request or graph (default by pattern: 20, 4, 1, 50)"
+    )
+    p.add_argument(
+        "--kernel-ms", type=float, help="GPU milliseconds per kernel (default 2; burn 20; graph 1)"
+    )
+    p.add_argument("--rate", type=float, default=30.0, help="infer: requests per second (default 30)")
+    p.add_argument(
+        "--sync-every", type=int, help="burn: launches per sync, 0 never (default); graph: graphs per sync"
+    )
+    p.add_argument("--on", type=float, default=3.0, metavar="S", help="bursty: seconds busy (default 3)")
+    p.add_argument("--off", type=float, default=3.0, metavar="S", help="bursty: seconds idle (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="infer: seed of the arrivals")
+    p.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM/SIGINT)")
+    p.add_argument(
+        "--grow-to-mib", type=int, metavar="N", help="after --grow-after seconds, hold N MiB instead"
+    )
+    p.add_argument(
+        "--grow-after", type=float, default=0.0, metavar="S", help="seconds before --grow-to-mib applies"
     )
     p.add_argument(
         "--driver-ioctls",
         action="store_true",
-        help="also issue NVIDIA-shaped ioctls (RM_ALLOC of its memory, RM_CONTROL) for the ioctl tracer",
+        help="also make NVIDIA-shaped ioctls (RM_ALLOC of its memory, RM_CONTROL per sync) for the tracer",
+    )
+    p.add_argument(
+        "--report", metavar="FILE", help="write what it did (requests, latency p50/p99) as JSON at exit"
     )
     add_sim_state_dir(p)
     p.set_defaults(func=workload_main)
@@ -122,14 +276,14 @@ def add_sim_state_dir(p: argparse.ArgumentParser) -> None:
         "--sim-state-dir",
         default=str(DEFAULT_SIM_STATE_DIR),
         metavar="DIR",
-        help=f"state shared by the simulated node and its workloads (default {DEFAULT_SIM_STATE_DIR})",
+        help=f"the simulated node's directory (default {DEFAULT_SIM_STATE_DIR})",
     )
 
 
 def sim_main(argv: Sequence[str]) -> int:
-    """``python -m agent sim-workload|sim-event ...`` without the rest of the CLI: a simulated
-    workload then starts in a tenth of the time (no Kubernetes client, gRPC or metrics
-    imports), which matters when a demo or a test starts many of them on a busy node."""
+    """``python -m agent sim-gpu|sim-workload|sim-event ...`` without the rest of the CLI:
+    a simulated workload then starts in a tenth of the time (no Kubernetes client, gRPC or
+    metrics imports), which matters when a demo or a test starts many of them on a busy node."""
     parser = argparse.ArgumentParser(prog="vcuda-agent")
     add_parsers(parser.add_subparsers(dest="command", metavar="COMMAND", required=True), common_options())
     args = parser.parse_args(argv)

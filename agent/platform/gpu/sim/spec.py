@@ -1,4 +1,11 @@
-"""Parsing ``--simulate`` specs such as ``2xH100-80GB`` or ``1xA100-40GB,1xT4-16GB``."""
+"""Parsing ``--simulate`` specs such as ``2xH100-80GB`` or ``1xA100-40GB,1xT4-16GB``.
+
+Each model carries what NVML reports of it (product name, memory), its NVLinks in a pair,
+and its per-process sample period. NVML documents the period as 1/6 s to 1 s depending on
+the product without saying which product has which; every model here defaults to 1/6 s
+(the shortest, most favourable to a controller), and ``vcuda-agent sim-gpu
+--sample-period`` sets another for a run.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ _EXAMPLE = (
     "expected COUNTxMODEL-MEMORYGB items separated by commas, e.g. 2xH100-80GB or 1xA100-40GB,1xT4-16GB"
 )
 MAX_GPUS = 64
+DEFAULT_SAMPLE_PERIOD_S = 1 / 6
 
 # Product names as NVML reports them, and NVLinks between the GPUs of a simulated pair.
 _CATALOG: dict[str, tuple[str, int]] = {
@@ -34,6 +42,7 @@ class SimGpuModel:
     product_name: str
     memory_mib: int
     pair_nvlinks: int
+    sample_period_s: float = DEFAULT_SAMPLE_PERIOD_S
 
 
 def parse_simulate_spec(spec: str) -> list[SimGpuModel]:

@@ -1,0 +1,276 @@
+"""``GpuBackend`` on the simulated GPU server: what NVML would report, read over its socket.
+
+The agent attaches to the node's GPU server when one serves ``--sim-state-dir`` (a test rig
+or the demo starts it, so that it outlives agent restarts, as a GPU does), or else starts
+one as its child (``vcuda-agent sim-gpu``) that stops with it. One agent per simulated node:
+``<dir>/agent.lock`` is held for the backend's life.
+
+Reads are batched: one ``poll`` brings every GPU's new per-process samples, device
+utilization and process memory, and serves the calls of the next ``refresh_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.clock import Clock, SystemClock
+from agent.errors import GpuLostError, NoSuchGpuError, SimulationError
+from agent.platform.gpu.inventory import (
+    DeviceEvent,
+    EventKind,
+    GpuInfo,
+    ProcessMemory,
+    ProcessSample,
+    Topology,
+)
+from agent.platform.gpu.sim.client import Connection, NodeClient
+from agent.platform.gpu.sim.inventory import sim_gpus, sim_topology
+from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir, pid_alive
+from agent.platform.gpu.sim.spec import parse_simulate_spec
+
+log = logging.getLogger(__name__)
+
+SAMPLES_KEPT = 4096  # per GPU
+START_TIMEOUT_S = 20.0
+
+
+class SimulatedBackend:
+    """Simulated GPUs (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: str,
+        node_name: str,
+        state_dir: Path,
+        *,
+        server_args: Sequence[str] = (),
+        clock: Clock | None = None,
+        refresh_s: float = 0.05,
+    ) -> None:
+        models = parse_simulate_spec(spec)
+        self._gpus = sim_gpus(node_name, models)
+        self._topology = sim_topology(models)
+        self._clock = clock or SystemClock()
+        self._refresh_s = refresh_s
+        self.root = SimNodeDir(state_dir)
+        self.root.create()
+        self._lock_fd = self._claim()
+        self._server: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        try:
+            self.node = self._attach_or_start(spec, node_name, server_args)
+            self._poller = NodeClient(self.root.socket)
+            self._events = NodeClient(self.root.socket)
+            self._events.subscribe()
+        except BaseException:
+            self._release()
+            raise
+        self._since = {g.index: 0 for g in self._gpus}
+        self._samples = {g.index: collections.deque[ProcessSample](maxlen=SAMPLES_KEPT) for g in self._gpus}
+        self._utilization = {g.index: 0 for g in self._gpus}
+        self._memory: dict[int, list[ProcessMemory]] = {g.index: [] for g in self._gpus}
+        self._lost: set[int] = set()
+        self._polled = float("-inf")
+
+    # Start-up ------------------------------------------------------------------------------
+    def _claim(self) -> int:
+        fd = os.open(self.root.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            os.close(fd)
+            raise SimulationError(
+                f"another agent uses the simulated node at {self.root.root}: stop it or pass a different "
+                "--sim-state-dir"
+            ) from err
+        return fd
+
+    def _attach_or_start(self, spec: str, node_name: str, server_args: Sequence[str]) -> SimNode:
+        try:
+            node = self.root.read_node()
+        except SimulationError:
+            node = None
+        if node is not None and pid_alive(node.server_pid) and _answers(self.root):
+            if node.spec != spec or node.node_name != node_name:
+                raise SimulationError(
+                    f"the simulated node at {self.root.root} is {node.spec} named {node.node_name}, "
+                    f"not {spec} named {node_name}: stop its GPU server (pid {node.server_pid}) or pass "
+                    "a different --sim-state-dir"
+                )
+            log.info(
+                "simulated GPUs: attached to the GPU server (pid %d) at %s", node.server_pid, self.root.root
+            )
+            return node
+        return self._start(spec, node_name, server_args)
+
+    def _start(self, spec: str, node_name: str, server_args: Sequence[str]) -> SimNode:
+        read_end, write_end = os.pipe()  # the server stops when this process (the write end) is gone
+        cmd = [sys.executable, "-m", "agent", "sim-gpu", "--simulate", spec, "--node-name", node_name]
+        cmd += ["--sim-state-dir", str(self.root.root), "--exit-with-fd", str(read_end), *server_args]
+        try:
+            self._server = subprocess.Popen(cmd, pass_fds=(read_end,), start_new_session=True)
+        finally:
+            os.close(read_end)
+        self._server_pipe = write_end
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._server.poll() is not None:
+                raise SimulationError(
+                    f"the simulated GPU server exited with {self._server.returncode} at start"
+                )
+            with contextlib.suppress(SimulationError):
+                node = self.root.read_node()
+                if node.server_pid == self._server.pid and _answers(self.root):
+                    log.info(
+                        "simulated GPUs: started the GPU server (pid %d) at %s",
+                        node.server_pid,
+                        self.root.root,
+                    )
+                    return node
+            time.sleep(0.02)
+        raise SimulationError(f"the simulated GPU server did not start within {START_TIMEOUT_S:.0f} s")
+
+    # GpuBackend ----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return "simulated"
+
+    def gpus(self) -> Sequence[GpuInfo]:
+        return self._gpus
+
+    def topology(self) -> Topology:
+        return self._topology
+
+    def sample_period_s(self, index: int) -> float | None:
+        self._check_index(index)
+        return self.node.gpu(index).sample_period_s
+
+    def wait_events(self, timeout_s: float) -> list[DeviceEvent]:
+        if self._closed.is_set():
+            return []
+        try:
+            raw = self._events.next_event(timeout_s)
+        except SimulationError as err:
+            if self._closed.is_set():
+                return []
+            raise SimulationError(f"the simulated GPUs' event stream broke: {err}") from err
+        if raw is None:
+            return []
+        event = _event(raw)
+        if event is None or not 0 <= event.gpu_index < len(self._gpus):
+            log.warning("ignoring a malformed simulated event: %s", raw)
+            return []
+        with self._lock:
+            if event.kind is EventKind.LOST:
+                self._lost.add(event.gpu_index)
+            elif event.kind is EventKind.RECOVERED:
+                self._lost.discard(event.gpu_index)
+        return [event]
+
+    def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
+        self._refresh(index)
+        with self._lock:
+            return [s for s in self._samples[index] if s.timestamp_us > since_us]
+
+    def process_memory(self, index: int) -> list[ProcessMemory]:
+        self._refresh(index)
+        with self._lock:
+            return list(self._memory[index])
+
+    def device_utilization(self, index: int) -> int:
+        self._refresh(index)
+        with self._lock:
+            return self._utilization[index]
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._poller.close()
+        self._events.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._server is not None:
+            os.close(self._server_pipe)
+            self._server.terminate()
+            try:
+                self._server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+
+    # Reading -------------------------------------------------------------------------------
+    def _refresh(self, index: int) -> None:
+        self._check_index(index)
+        with self._lock:
+            if index in self._lost:
+                raise GpuLostError(index, "fell off the bus (simulated)")
+            now = self._clock.monotonic()
+            if now - self._polled < self._refresh_s:
+                return
+            try:
+                gpus = self._poller.poll(self._since)
+            except SimulationError as err:
+                raise SimulationError(f"cannot read the simulated GPUs: {err}") from err
+            self._polled = now
+            for gpu in gpus:
+                self._take(gpu)
+
+    def _take(self, gpu: dict[str, Any]) -> None:
+        index = int(gpu["index"])
+        samples = [ProcessSample(int(p), int(t), int(u)) for p, t, u in gpu["samples"]]
+        self._samples[index].extend(samples)
+        if samples:
+            self._since[index] = max(s.timestamp_us for s in samples)
+        self._utilization[index] = int(gpu["utilization"])
+        self._memory[index] = [ProcessMemory(int(p), int(b)) for p, b in gpu["memory"]]
+        if gpu["lost"]:
+            self._lost.add(index)
+        else:
+            self._lost.discard(index)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self._gpus):
+            raise NoSuchGpuError(f"no GPU {index}: the simulated node has GPUs 0..{len(self._gpus) - 1}")
+
+
+def _answers(root: SimNodeDir) -> bool:
+    try:
+        conn = Connection(root.socket, timeout_s=2.0)
+    except SimulationError:
+        return False
+    try:
+        conn.call({"op": "node"})
+        return True
+    except (SimulationError, TimeoutError):
+        return False
+    finally:
+        conn.close()
+
+
+def _event(raw: dict[str, Any]) -> DeviceEvent | None:
+    try:
+        xid = raw.get("xid")
+        return DeviceEvent(
+            gpu_index=int(raw["gpu"]),
+            kind=EventKind(raw["kind"]),
+            xid=None if xid is None else int(xid),
+            detail=str(raw.get("detail") or "injected by the simulator"),
+        )
+    except (KeyError, ValueError, TypeError):
+        return None

@@ -1,0 +1,349 @@
+"""One simulated GPU: contexts with queues of submitted work, executed in simulated time.
+
+What it models (design notes §10):
+
+- **Contexts and queues.** One context per workload process. A context holds a FIFO of
+  launches; a launch is a kernel of some GPU time (seconds of the whole GPU), or a CUDA
+  graph (many kernels, one launch). The queue holds at most ``queue_depth`` launches: a
+  launch into a full queue waits for room, a sync waits for the queue to drain (the server
+  and the virtual driver do the waiting; the engine says when).
+- **Queued work runs on its own.** Nothing here knows whether the submitting process runs
+  or is frozen: work already queued keeps executing until the queue is empty.
+- **Time-slicing** (default): contexts with queued work take turns of one timeslice
+  (default 2 ms); work longer than a slice is preempted at its end and resumed
+  (compute preemption). **MPS** (per GPU, optional): clients run concurrently, each at
+  most at its active-thread percentage of the GPU, sharing fairly when the active ones
+  ask for more than the whole GPU (see :mod:`.schedule`).
+- **Ground truth.** Exact GPU time per context and per GPU, to the instant asked.
+- **NVML's view.** Time is cut into sample periods (per model, 1/6 s by default). At the
+  end of each, every context that ran gets one sample: pid, the period's end as a wall
+  timestamp in µs, and the share of the period it ran, rounded to a whole percent; a
+  context that did not run gets none. Samples become visible ``sample_delay_s`` plus up to
+  ``sample_jitter_s`` (seeded) after their period ends, never before an earlier one.
+  Device utilization is the share of the last finished period during which any context
+  ran, visible at once. Memory is what each context allocated, within the GPU's size.
+
+Not modelled: memory-bandwidth or cache interference between contexts, SM placement and
+occupancy (a kernel uses the whole GPU, or its MPS share, for its duration), context
+switch cost, host-device copies as separate engines, clocks and power, MIG. Under MPS a
+client's sample is its share of the GPU's capacity; what a real driver reports per MPS
+client is to be checked on a GPU.
+
+The engine keeps no clock of its own: every call passes ``now`` (seconds, one monotonic
+clock), so tests run it in virtual time. Nothing here blocks or burns CPU: work is
+accounted for when someone asks, from the schedule functions.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from agent.errors import InvalidSpecError
+from agent.platform.gpu.sim.schedule import EPS, RoundRobin, Served, serve_concurrent
+from agent.platform.gpu.sim.spec import DEFAULT_SAMPLE_PERIOD_S
+
+MAX_SAMPLE_PERIOD_S = 1.0
+SAMPLES_KEPT = 4096  # per GPU, like the driver's sample buffer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The physics of one simulated GPU."""
+
+    memory_bytes: int = 80 * 1024**3
+    timeslice_s: float = 0.002  # time-slicing between contexts without MPS
+    sample_period_s: float = DEFAULT_SAMPLE_PERIOD_S  # NVML's per-process sample period
+    sample_delay_s: float = 0.25  # a sample becomes visible this long after its period ends...
+    sample_jitter_s: float = 0.25  # ...plus up to this much more (uniform, seeded)
+    queue_depth: int = 1024  # launches a context's queue holds before a launch blocks
+    mps: bool = False  # clients run concurrently, each within its active-thread percentage
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        """Every invalid field, named."""
+        found = []
+        if self.memory_bytes <= 0:
+            found.append(f"GPU memory must be > 0, got {self.memory_bytes}")
+        if not 0.0001 <= self.timeslice_s <= 1.0:
+            found.append(f"timeslice must be 0.1..1000 ms, got {self.timeslice_s * 1000:g} ms")
+        if not 0.01 <= self.sample_period_s <= MAX_SAMPLE_PERIOD_S:
+            found.append(f"sample period must be 0.01..1 s, got {self.sample_period_s:g} s")
+        if not 0 <= self.sample_delay_s <= 30:
+            found.append(f"sample delay must be 0..30 s, got {self.sample_delay_s:g} s")
+        if not 0 <= self.sample_jitter_s <= 30:
+            found.append(f"sample jitter must be 0..30 s, got {self.sample_jitter_s:g} s")
+        if not 1 <= self.queue_depth <= 1_000_000:
+            found.append(f"queue depth must be 1..1000000 launches, got {self.queue_depth}")
+        return found
+
+    def validate(self) -> None:
+        found = self.problems()
+        if found:
+            raise InvalidSpecError("; ".join(found))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One NVML-style per-process sample."""
+
+    pid: int
+    timestamp_us: int  # the end of its sample period, wall clock
+    sm_util: int  # percent of the period the context ran (MPS: of the GPU's capacity)
+
+
+@dataclass(frozen=True)
+class ContextTruth:
+    """Exact figures for one context."""
+
+    pid: int
+    start_ticks: int
+    ran_s: float  # GPU time executed since the context was created
+    queued: int  # launches waiting or running
+    pending_s: float  # GPU time still queued
+    memory_bytes: int
+
+
+class OutOfMemory(Exception):
+    """An allocation the GPU cannot hold (CUDA_ERROR_OUT_OF_MEMORY)."""
+
+
+@dataclass
+class Context:
+    """One process's context on the GPU."""
+
+    cid: int
+    pid: int
+    start_ticks: int
+    share: float = 1.0  # MPS active-thread fraction (0..1]
+    groups: collections.deque[list[float]] = field(default_factory=collections.deque)  # [count, seconds each]
+    head_done: float = 0.0  # GPU time already spent on the first queued launch
+    queued: int = 0
+    pending: float = 0.0
+    ran: float = 0.0
+    period_ran: float = 0.0
+    memory_bytes: int = 0
+
+    def consume(self, amount: float) -> None:
+        """``amount`` seconds of this context's queue executed."""
+        if amount <= 0:
+            return
+        self.ran += amount
+        self.period_ran += amount
+        while amount > EPS and self.groups:
+            head = self.groups[0]
+            each = head[1]
+            left = each - self.head_done
+            if amount < left - EPS:
+                self.head_done += amount
+                amount = 0.0
+                break
+            amount -= left
+            self.head_done = 0.0
+            done = 1 + min(int(head[0]) - 1, int((amount + EPS) // each) if each > 0 else int(head[0]) - 1)
+            amount -= (done - 1) * each
+            head[0] -= done
+            self.queued -= done
+            if head[0] <= 0:
+                self.groups.popleft()
+        if not self.groups:
+            self.queued, self.pending, self.head_done = 0, 0.0, 0.0
+        else:
+            self.pending = max(0.0, sum(c * e for c, e in self.groups) - self.head_done)
+
+    def time_to_complete(self, launches: int) -> float:
+        """GPU time until the first ``launches`` queued launches are done."""
+        total, count = -self.head_done, 0
+        for c, each in self.groups:
+            take = min(int(c), launches - count)
+            total += take * each
+            count += take
+            if count >= launches:
+                break
+        return max(0.0, total)
+
+
+class GpuEngine:
+    """The engine of one GPU (see the module docstring). Not thread-safe: one owner."""
+
+    def __init__(self, config: EngineConfig, now: float, wall_offset_s: float, *, index: int = 0) -> None:
+        config.validate()
+        self.config = config
+        self.index = index
+        self.now = now
+        self.wall_offset_s = wall_offset_s  # wall time = monotonic time + this
+        self.lost = False
+        self.contexts: list[Context] = []
+        self._next_cid = 1
+        self._slices = RoundRobin(config.timeslice_s)
+        self._origin = now
+        self._period = 0  # index of the sample period in progress
+        self._departed_ran: dict[int, float] = {}  # pid -> GPU time this period, of contexts gone
+        self._rng = random.Random(config.seed * 1009 + index)
+        self._samples: collections.deque[tuple[float, Sample]] = collections.deque(maxlen=SAMPLES_KEPT)
+        self._last_visible = now
+        self._device_util = 0
+        self._period_busy = 0.0
+        self.busy_s = 0.0  # time with any context running
+        self.work_s = 0.0  # GPU time executed, summed over contexts (= busy_s without MPS)
+
+    # Contexts -------------------------------------------------------------------------------
+    def create_context(self, pid: int, start_ticks: int, now: float, *, share: float = 1.0) -> Context:
+        self.advance(now)
+        ctx = Context(self._next_cid, pid, start_ticks, share=min(1.0, max(0.01, share)))
+        self._next_cid += 1
+        self.contexts.append(ctx)
+        return ctx
+
+    def destroy_context(self, ctx: Context, now: float) -> None:
+        """The process exited (or was killed): its queued work is dropped, its memory freed."""
+        self.advance(now)
+        if ctx not in self.contexts:
+            return
+        i = self.contexts.index(ctx)
+        self.contexts.pop(i)
+        if ctx.period_ran > 0:
+            self._departed_ran[ctx.pid] = self._departed_ran.get(ctx.pid, 0.0) + ctx.period_ran
+        if i < self._slices.cursor or self._slices.cursor >= len(self.contexts):
+            self._slices.cursor = max(0, self._slices.cursor - 1) if i < self._slices.cursor else 0
+            self._slices.slice_left = self.config.timeslice_s
+        ctx.groups.clear()
+        ctx.queued, ctx.pending, ctx.memory_bytes = 0, 0.0, 0
+
+    def room(self, ctx: Context) -> int:
+        return max(0, self.config.queue_depth - ctx.queued)
+
+    def submit(self, ctx: Context, count: int, each_s: float, now: float) -> int:
+        """Queue up to ``count`` launches of ``each_s`` GPU seconds; returns how many fit."""
+        self.advance(now)
+        take = min(count, self.room(ctx))
+        if take <= 0 or each_s < 0:
+            return 0
+        if ctx.groups and abs(ctx.groups[-1][1] - each_s) <= EPS:
+            ctx.groups[-1][0] += take  # launches of one size queue as one group
+        else:
+            ctx.groups.append([float(take), each_s])
+        ctx.queued += take
+        ctx.pending += take * each_s
+        return take
+
+    def allocate(self, ctx: Context, nbytes: int) -> None:
+        used = sum(c.memory_bytes for c in self.contexts)
+        if nbytes > 0 and used + nbytes > self.config.memory_bytes:
+            raise OutOfMemory(
+                f"out of memory on GPU {self.index}: {nbytes >> 20} MiB asked, "
+                f"{(self.config.memory_bytes - used) >> 20} MiB free"
+            )
+        ctx.memory_bytes = max(0, ctx.memory_bytes + nbytes)
+
+    # Time -----------------------------------------------------------------------------------
+    def _serve(self, span: float, goals: Mapping[int, float] | None = None) -> Served:
+        remaining = [c.pending for c in self.contexts]
+        if self.config.mps:
+            return serve_concurrent(remaining, [c.share for c in self.contexts], span, goals)
+        if span == math.inf:  # a prediction: the schedule itself must not move
+            return RoundRobin(self._slices.timeslice, self._slices.cursor, self._slices.slice_left).serve(
+                remaining, span, goals
+            )
+        return self._slices.serve(remaining, span, goals)
+
+    def _period_end(self) -> float:
+        return self._origin + (self._period + 1) * self.config.sample_period_s
+
+    def advance(self, now: float) -> None:
+        """Execute queued work up to ``now``, closing the sample periods it crosses."""
+        period = self.config.sample_period_s
+        while self.now < now:
+            end = min(now, self._period_end())
+            working = not self.lost and any(c.pending > EPS for c in self.contexts)
+            if working:
+                result = self._serve(end - self.now)
+                for ctx, amount in zip(self.contexts, result.served, strict=True):
+                    ctx.consume(amount)
+                    self.work_s += amount
+                self.busy_s += result.busy
+                self._period_busy += result.busy
+            self.now = end
+            if end < self._period_end() - EPS:
+                continue
+            self._close_period()
+            if not any(c.pending > EPS for c in self.contexts):
+                # Idle: the whole periods up to ``now`` have no samples; skip them at once.
+                current = int((now - self._origin) / period)
+                if current > self._period:
+                    self._period = current
+                    self.now = max(self.now, self._origin + current * period)
+                    self._device_util = 0
+
+    def _close_period(self) -> None:
+        period = self.config.sample_period_s
+        end = self._period_end()
+        stamp = round((end + self.wall_offset_s) * 1_000_000)
+        late = self.config.sample_delay_s + self.config.sample_jitter_s * self._rng.random()
+        visible = max(self._last_visible, end + late)
+        self._last_visible = visible
+        ran = dict(self._departed_ran)
+        for ctx in self.contexts:
+            if ctx.period_ran > 0:
+                ran[ctx.pid] = ran.get(ctx.pid, 0.0) + ctx.period_ran
+            ctx.period_ran = 0.0
+        for pid, seconds in ran.items():
+            if seconds > EPS:
+                self._samples.append((visible, Sample(pid, stamp, min(100, round(100 * seconds / period)))))
+        self._device_util = min(100, round(100 * self._period_busy / period))
+        self._period_busy = 0.0
+        self._departed_ran = {}
+        self._period += 1
+
+    # Predictions ----------------------------------------------------------------------------
+    def when_completed(self, wants: Mapping[int, int]) -> dict[int, float]:
+        """For contexts (by cid) waiting for their first ``n`` launches to complete (``n`` =
+        all queued: a sync), the time each will be done if nothing new is submitted; a
+        context that can never be done (a lost GPU) is left out."""
+        if self.lost:
+            return {}
+        goals: dict[int, float] = {}
+        for i, ctx in enumerate(self.contexts):
+            n = wants.get(ctx.cid)
+            if n is not None:
+                goals[i] = ctx.time_to_complete(n) if n < ctx.queued else ctx.pending
+        if not goals:
+            return {}
+        result = self._serve(math.inf, goals)
+        return {self.contexts[i].cid: self.now + at for i, at in result.reached.items()}
+
+    # NVML's view ----------------------------------------------------------------------------
+    def samples(self, since_us: int, now: float) -> list[Sample]:
+        """Per-process samples newer than ``since_us`` that are visible at ``now``."""
+        self.advance(now)
+        return [s for visible, s in self._samples if visible <= now and s.timestamp_us > since_us]
+
+    def device_utilization(self, now: float) -> int:
+        self.advance(now)
+        return self._device_util
+
+    def memory(self) -> dict[int, int]:
+        used: dict[int, int] = {}
+        for ctx in self.contexts:
+            if ctx.memory_bytes > 0:
+                used[ctx.pid] = used.get(ctx.pid, 0) + ctx.memory_bytes
+        return used
+
+    def truth(self, now: float) -> list[ContextTruth]:
+        self.advance(now)
+        return [
+            ContextTruth(c.pid, c.start_ticks, c.ran, c.queued, c.pending, c.memory_bytes)
+            for c in self.contexts
+        ]
+
+    def set_lost(self, lost: bool, now: float) -> list[Context]:
+        """The GPU fell off the bus (its contexts are gone: returned) or was reset."""
+        self.advance(now)
+        self.lost = lost
+        gone = list(self.contexts) if lost else []
+        for ctx in gone:
+            self.destroy_context(ctx, now)
+        return gone

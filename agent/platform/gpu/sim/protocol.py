@@ -1,0 +1,65 @@
+"""The GPU server's wire format: one JSON object per line over a unix stream socket.
+
+A client sends requests ``{"op": ..., ...}`` and reads one reply per request, in order:
+``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. A connection that sent
+``subscribe`` receives health events instead, one line each: ``{"event": {...}}``.
+
+Requests (a workload's connection is its CUDA context: closing it destroys the context and
+drops its queued work, as a process exit does):
+
+- ``open {gpu, share}``: make this connection a context on GPU ``gpu`` (``share``: the MPS
+  active-thread percentage the client read from its environment; 100 without MPS). The
+  server takes the pid from SO_PEERCRED. Reply ``{context}``.
+- ``launch {count, kernel_ms}`` / ``graph {kernels, kernel_ms}``: queue kernels / one graph;
+  the reply comes once all are queued (at once while the queue has room).
+- ``sync``: the reply comes when the context's queue is empty.
+- ``alloc {mib}`` (negative frees): device memory; an error when the GPU cannot hold it.
+- ``poll {since: {gpu: µs}}``: what NVML would report now: per GPU ``{index, lost,
+  utilization, samples: [[pid, µs, sm]], memory: [[pid, bytes]]}``.
+- ``truth``: exact GPU time per context and GPU (for tests, benches and the demo).
+- ``event {gpu, kind, xid, detail}``: inject a health event (``sim-event``).
+- ``subscribe``: become an event stream; the GPUs lost now are sent first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agent.errors import SimulationError
+
+MAX_LINE = 1 << 20  # a request or reply longer than this is refused
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except ValueError as err:
+        raise SimulationError(f"malformed message {line[:80]!r}: {err}") from err
+    if not isinstance(message, dict):
+        raise SimulationError(f"malformed message {line[:80]!r}: not an object")
+    return message
+
+
+class LineBuffer:
+    """Bytes in, complete lines out."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._data += data
+        lines = []
+        while True:
+            end = self._data.find(b"\n")
+            if end < 0:
+                break
+            lines.append(bytes(self._data[:end]))
+            del self._data[: end + 1]
+        if len(self._data) > MAX_LINE:
+            raise SimulationError(f"a message longer than {MAX_LINE} bytes")
+        return lines

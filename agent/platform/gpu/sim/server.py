@@ -1,0 +1,432 @@
+"""The GPU server: the simulated GPUs of one node and their driver, in a process of its own.
+
+It runs outside every workload's cgroup (``vcuda-agent sim-gpu``, started by the agent or a
+test rig): freezing a workload stops the workload, never the GPU, which goes on executing
+what the workload queued. One thread, one ``selectors`` loop; it sleeps until a request
+comes or until a blocked call (a launch into a full queue, a sync) can return, which the
+engine computes ahead (:meth:`GpuEngine.when_completed`): no polling, no CPU spent while
+nothing happens. The wire format is in :mod:`.protocol`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.errors import PlatformError, SimulationError
+from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.sim.calls import BlockedCall
+from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine, OutOfMemory
+from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir
+from agent.platform.gpu.sim.protocol import LineBuffer, decode, encode
+from agent.platform.procfs import ProcFS
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+BACKLOG = 256
+READ_SIZE = 65536
+_PEERCRED = struct.Struct("3i")
+
+
+class _RequestError(Exception):
+    """A request the server refuses; its text goes back to the client."""
+
+
+@dataclass
+class Peer:
+    """One client connection (a workload's context, the agent's backend, a tool)."""
+
+    sock: socket.socket
+    pid: int
+    buffer: LineBuffer = field(default_factory=LineBuffer)
+    out: bytearray = field(default_factory=bytearray)
+    requests: deque[dict[str, Any]] = field(default_factory=deque)
+    gpu: int = -1
+    ctx: Context | None = None
+    call: BlockedCall | None = None
+    wake_at: float = math.inf
+    subscribed: bool = False
+    closing: bool = False
+
+
+class GpuServer:
+    """Serves ``node``'s GPUs on ``<dir>/gpu.sock`` until :meth:`stop`."""
+
+    def __init__(self, node: SimNode, configs: Sequence[EngineConfig], root: SimNodeDir) -> None:
+        if len(configs) != len(node.gpus):
+            raise SimulationError(f"{len(configs)} engine configs for {len(node.gpus)} GPUs")
+        self.node = node
+        self.root = root
+        now = time.monotonic()
+        self._wall_offset = time.time() - now
+        self.engines = [GpuEngine(c, now, self._wall_offset, index=i) for i, c in enumerate(configs)]
+        self._selector = selectors.DefaultSelector()
+        self._peers: dict[int, Peer] = {}
+        self._dirty: set[int] = set()
+        self._procfs = ProcFS()
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._listener: socket.socket | None = None
+
+    # Lifecycle ------------------------------------------------------------------------------
+    def listen(self) -> None:
+        """Bind the socket and publish node.json (clients may connect from then on)."""
+        self.root.create()
+        self.root.socket.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.root.socket))
+            listener.listen(BACKLOG)
+        except OSError as err:
+            listener.close()
+            raise SimulationError(f"cannot listen on {self.root.socket}: {err}") from err
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, "listener")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.root.write_node(self.node)
+
+    def watch_fd(self, fd: int) -> None:
+        """Stop when ``fd`` (the read end of a pipe whose writer is the parent) closes."""
+        self._selector.register(fd, selectors.EVENT_READ, "parent")
+
+    def stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler or another thread)."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def serve(self) -> None:
+        if self._listener is None:
+            self.listen()
+        try:
+            while not self._stopping.is_set():
+                self._step()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop(peer)
+        if self._listener is not None:
+            self._listener.close()
+        self.root.remove_node(self.node.server_pid)
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # The loop -------------------------------------------------------------------------------
+    def _step(self) -> None:
+        wake = min((p.wake_at for p in self._peers.values()), default=math.inf)
+        timeout = None if wake == math.inf else max(0.0, wake - time.monotonic())
+        for key, mask in self._selector.select(timeout):
+            if key.data == "listener":
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 64)
+            elif key.data == "parent":
+                if not os.read(key.fd, 64):
+                    log.info("the process that started the simulated GPUs exited: stopping")
+                    self._stopping.set()
+            else:
+                peer = self._peers.get(key.fd)
+                if peer is not None:
+                    if mask & selectors.EVENT_READ:
+                        self._read(peer)
+                    if mask & selectors.EVENT_WRITE and not peer.closing:
+                        self._flush(peer)
+        self._wake_blocked()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()  # type: ignore[union-attr]
+            except BlockingIOError:
+                return
+            except OSError as err:
+                log.warning("accept failed: %s", err)
+                return
+            pid, _uid, _gid = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            sock.setblocking(False)
+            peer = Peer(sock, pid)
+            self._peers[sock.fileno()] = peer
+            self._selector.register(sock, selectors.EVENT_READ, "peer")
+
+    def _read(self, peer: Peer) -> None:
+        try:
+            data = peer.sock.recv(READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(peer)
+            return
+        try:
+            for line in peer.buffer.feed(data):
+                peer.requests.append(decode(line))
+        except SimulationError as err:
+            self._reply(peer, {"ok": False, "error": str(err)})
+            peer.closing = True
+            self._drop(peer)
+            return
+        self._serve_requests(peer)
+
+    def _serve_requests(self, peer: Peer) -> None:
+        """Answer queued requests in order, stopping at one that blocks."""
+        while peer.requests and peer.call is None and peer.sock.fileno() >= 0:
+            request = peer.requests.popleft()
+            try:
+                reply = self._handle(peer, request)
+            except _RequestError as err:
+                reply = {"ok": False, "error": str(err)}
+            if reply is not None:
+                self._reply(peer, reply)
+
+    def _wake_blocked(self) -> None:
+        now = time.monotonic()
+        for peer in [p for p in self._peers.values() if p.call is not None and p.wake_at <= now]:
+            self._progress(peer, now)
+        for gpu in list(self._dirty):
+            self._predict(gpu)
+        self._dirty.clear()
+
+    def _progress(self, peer: Peer, now: float) -> None:
+        assert peer.call is not None and peer.ctx is not None
+        engine = self.engines[peer.gpu]
+        queued = peer.ctx.queued
+        if peer.call.progress(engine, peer.ctx, now):
+            peer.call, peer.wake_at = None, math.inf
+            self._reply(peer, {"ok": True, "queued": peer.ctx.queued})
+            self._serve_requests(peer)
+        elif peer.ctx.queued == queued and engine.lost is False:
+            peer.wake_at = now + 1e-4  # predicted a hair early: look again shortly
+        self._dirty.add(peer.gpu)
+
+    def _predict(self, gpu: int) -> None:
+        engine = self.engines[gpu]
+        blocked = [
+            (p, p.call, p.ctx)
+            for p in self._peers.values()
+            if p.gpu == gpu and p.call is not None and p.ctx is not None
+        ]
+        if not blocked:
+            return
+        times = engine.when_completed({ctx.cid: call.awaits(engine, ctx) for _, call, ctx in blocked})
+        for peer, _, ctx in blocked:
+            peer.wake_at = times.get(ctx.cid, math.inf)
+
+    # Requests -------------------------------------------------------------------------------
+    def _handle(self, peer: Peer, request: dict[str, Any]) -> dict[str, Any] | None:
+        op = request.get("op")
+        now = time.monotonic()
+        if op == "open":
+            return self._open(peer, request, now)
+        if op in ("launch", "graph", "sync", "alloc"):
+            return self._context_call(peer, op, request, now)
+        if op == "poll":
+            return self._poll(request, now)
+        if op == "truth":
+            return self._truth(now)
+        if op == "event":
+            return self._event(request, now)
+        if op == "subscribe":
+            peer.subscribed = True
+            for engine in self.engines:
+                if engine.lost:
+                    self._push(peer, {"gpu": engine.index, "kind": EventKind.LOST.value, "detail": "lost"})
+            return None
+        if op == "node":
+            return {"ok": True, "node_name": self.node.node_name, "gpus": len(self.engines)}
+        raise _RequestError(f"unknown op {op!r}")
+
+    def _open(self, peer: Peer, request: dict[str, Any], now: float) -> dict[str, Any]:
+        if peer.ctx is not None:
+            raise _RequestError("this connection already has a context")
+        gpu = _int(request, "gpu")
+        if not 0 <= gpu < len(self.engines):
+            raise _RequestError(f"no GPU {gpu}: the simulated node has GPUs 0..{len(self.engines) - 1}")
+        engine = self.engines[gpu]
+        if engine.lost:
+            raise _RequestError(f"GPU {gpu} is lost (fell off the bus)")
+        share = float(request.get("share", 100))
+        if not 0 < share <= 100:
+            raise _RequestError(f"share must be 1..100 percent, got {share}")
+        try:
+            start_ticks = self._procfs.identity(peer.pid).start_ticks
+        except PlatformError as err:
+            raise _RequestError(f"cannot identify the client process {peer.pid}: {err}") from err
+        peer.gpu = gpu
+        peer.ctx = engine.create_context(peer.pid, start_ticks, now, share=share / 100)
+        return {"ok": True, "context": peer.ctx.cid, "pid": peer.pid}
+
+    def _context_call(
+        self, peer: Peer, op: str, request: dict[str, Any], now: float
+    ) -> dict[str, Any] | None:
+        if peer.ctx is None:
+            raise _RequestError(f"{op} before open: no context on this connection")
+        engine = self.engines[peer.gpu]
+        if engine.lost:
+            raise _RequestError(f"GPU {peer.gpu} is lost (fell off the bus)")
+        if op == "alloc":
+            try:
+                engine.allocate(peer.ctx, _int(request, "mib") * MIB)
+            except OutOfMemory as err:
+                raise _RequestError(str(err)) from err
+            return {"ok": True}
+        if op == "sync":
+            call = BlockedCall(sync=True)
+        else:
+            count = _int(request, "count" if op == "launch" else "kernels")
+            kernel_s = float(request.get("kernel_ms", -1)) / 1000
+            if count < 1 or not 0 <= kernel_s <= 3600:
+                raise _RequestError(f"{op}: count must be >= 1 and kernel_ms 0..3600000")
+            call = (
+                BlockedCall(left=count, each_s=kernel_s)
+                if op == "launch"
+                else BlockedCall(left=1, each_s=count * kernel_s)
+            )
+        queued = peer.ctx.queued
+        done = call.progress(engine, peer.ctx, now)
+        if peer.ctx.queued != queued:
+            self._dirty.add(peer.gpu)
+        if done:
+            return {"ok": True, "queued": peer.ctx.queued}
+        peer.call = call
+        self._dirty.add(peer.gpu)
+        return None
+
+    def _poll(self, request: dict[str, Any], now: float) -> dict[str, Any]:
+        since = request.get("since") or {}
+        if not isinstance(since, dict):
+            raise _RequestError("poll: since must map GPU indexes to µs timestamps")
+        gpus = []
+        for engine in self.engines:
+            after = int(since.get(str(engine.index), 0))
+            samples = [[s.pid, s.timestamp_us, s.sm_util] for s in engine.samples(after, now)]
+            gpus.append(
+                {
+                    "index": engine.index,
+                    "lost": engine.lost,
+                    "utilization": engine.device_utilization(now),
+                    "samples": samples,
+                    "memory": [[pid, used] for pid, used in engine.memory().items()],
+                }
+            )
+        return {"ok": True, "gpus": gpus}
+
+    def _truth(self, now: float) -> dict[str, Any]:
+        gpus = []
+        for engine in self.engines:
+            contexts = [
+                {
+                    "pid": c.pid,
+                    "start_ticks": c.start_ticks,
+                    "ran_s": c.ran_s,
+                    "queued": c.queued,
+                    "pending_s": c.pending_s,
+                    "memory_bytes": c.memory_bytes,
+                }
+                for c in engine.truth(now)
+            ]
+            gpus.append(
+                {
+                    "index": engine.index,
+                    "busy_s": engine.busy_s,
+                    "work_s": engine.work_s,
+                    "contexts": contexts,
+                }
+            )
+        return {"ok": True, "monotonic": now, "wall": now + self._wall_offset, "gpus": gpus}
+
+    def _event(self, request: dict[str, Any], now: float) -> dict[str, Any]:
+        gpu = _int(request, "gpu")
+        if not 0 <= gpu < len(self.engines):
+            raise _RequestError(f"no GPU {gpu}: the simulated node has GPUs 0..{len(self.engines) - 1}")
+        try:
+            kind = EventKind(request.get("kind"))
+        except ValueError as err:
+            raise _RequestError(f"event kind must be one of {[k.value for k in EventKind]}") from err
+        xid = request.get("xid")
+        if kind is EventKind.XID and not isinstance(xid, int):
+            raise _RequestError("an xid event needs an integer xid")
+        detail = str(request.get("detail") or "injected")
+        engine = self.engines[gpu]
+        if kind in (EventKind.LOST, EventKind.RECOVERED):
+            for ctx in engine.set_lost(kind is EventKind.LOST, now):
+                self._fail_context(ctx, f"GPU {gpu} is lost (fell off the bus)")
+            self._dirty.add(gpu)
+        event = {"gpu": gpu, "kind": kind.value, "xid": xid, "detail": detail}
+        for peer in self._peers.values():
+            if peer.subscribed:
+                self._push(peer, event)
+        return {"ok": True}
+
+    def _fail_context(self, ctx: Context, error: str) -> None:
+        for peer in self._peers.values():
+            if peer.ctx is ctx:
+                peer.ctx = None
+                if peer.call is not None:
+                    peer.call, peer.wake_at = None, math.inf
+                    self._reply(peer, {"ok": False, "error": error})
+
+    # Output ---------------------------------------------------------------------------------
+    def _push(self, peer: Peer, event: dict[str, Any]) -> None:
+        self._send(peer, encode({"event": event}))
+
+    def _reply(self, peer: Peer, reply: dict[str, Any]) -> None:
+        self._send(peer, encode(reply))
+
+    def _send(self, peer: Peer, data: bytes) -> None:
+        peer.out += data
+        self._flush(peer)
+
+    def _flush(self, peer: Peer) -> None:
+        try:
+            sent = peer.sock.send(peer.out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop(peer)
+            return
+        del peer.out[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.out else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.modify(peer.sock, events, "peer")
+
+    def _drop(self, peer: Peer) -> None:
+        """The client went away: its context (a process's) is destroyed."""
+        fd = peer.sock.fileno()
+        if fd >= 0:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(peer.sock)
+            self._peers.pop(fd, None)
+        peer.sock.close()
+        if peer.ctx is not None:
+            self.engines[peer.gpu].destroy_context(peer.ctx, time.monotonic())
+            peer.ctx = None
+            self._dirty.add(peer.gpu)
+        peer.call, peer.wake_at = None, math.inf
+
+
+def _int(request: dict[str, Any], name: str) -> int:
+    value = request.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _RequestError(f"{request.get('op')}: {name} must be an integer, got {value!r}")
+    return value

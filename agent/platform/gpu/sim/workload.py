@@ -1,0 +1,152 @@
+"""A simulated CUDA workload as a real process: it runs a pattern (:mod:`.programs`) against
+the GPU server through its own context, and (optionally) makes the NVIDIA driver calls the
+ioctl tracer attributes (:mod:`.driver`: RM_ALLOC for its memory, one RM_CONTROL per sync).
+
+It is what the cgroup freezer and signals act on: frozen, it submits nothing, while the work
+it already queued keeps running on the GPU. It uses little CPU itself: a launch or a sync is
+one request to the server, and it sleeps through every blocking call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import InvalidSpecError, SimulationError
+from agent.platform.gpu.sim.client import ContextClient
+from agent.platform.gpu.sim.driver import SimDriverCalls
+from agent.platform.gpu.sim.nodefile import SimNodeDir
+from agent.platform.gpu.sim.programs import (
+    Alloc,
+    GraphLaunch,
+    Launch,
+    Op,
+    PatternSpec,
+    Sleep,
+    Sync,
+    WorkloadStats,
+    pattern_program,
+    with_memory,
+)
+
+log = logging.getLogger(__name__)
+
+MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    gpu: int
+    pattern: PatternSpec = field(default_factory=PatternSpec)
+    memory_mib: int = 0
+    duration_s: float | None = None  # None: until stopped
+    grow_to_mib: int | None = None  # after grow_after_s, hold this much memory instead
+    grow_after_s: float = 0.0
+    driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (driver.py)
+
+    def validate(self) -> None:
+        problems = self.pattern.problems()
+        if self.memory_mib < 0:
+            problems.append(f"--memory-mib must be >= 0, got {self.memory_mib}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            problems.append(f"--duration must be > 0, got {self.duration_s}")
+        if self.grow_to_mib is not None and self.grow_to_mib < 0:
+            problems.append(f"--grow-to-mib must be >= 0, got {self.grow_to_mib}")
+        if self.grow_after_s < 0:
+            problems.append(f"--grow-after must be >= 0, got {self.grow_after_s}")
+        if problems:
+            raise InvalidSpecError("; ".join(problems))
+
+
+def mps_share(environ: dict[str, str] | None = None) -> float:
+    """The MPS active-thread percentage from the environment, as a CUDA client reads it at
+    start (100 when unset)."""
+    raw = (os.environ if environ is None else environ).get(MPS_PERCENT_ENV, "").strip()
+    if not raw:
+        return 100.0
+    try:
+        value = float(raw)
+    except ValueError as err:
+        raise InvalidSpecError(f"{MPS_PERCENT_ENV}={raw!r} is not a number") from err
+    if not 0 < value <= 100:
+        raise InvalidSpecError(f"{MPS_PERCENT_ENV}={raw!r} must be in (0, 100]")
+    return value
+
+
+def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> WorkloadStats:
+    """Open a context on the spec's GPU and run its pattern until ``stop`` or the duration
+    ends; the context (and whatever it still had queued) goes with the connection."""
+    spec.validate()
+    root = SimNodeDir(state_dir)
+    root.read_node().gpu(spec.gpu)  # a clear error for a node or GPU that is not there
+    stats = WorkloadStats()
+    ctx = ContextClient(root.socket, spec.gpu, mps_share())
+    ctx.interrupted = stop.is_set
+    driver = SimDriverCalls() if spec.driver_ioctls else None
+    end = None if spec.duration_s is None else time.monotonic() + spec.duration_s
+    program = with_memory(
+        pattern_program(spec.pattern, stats), spec.memory_mib, spec.grow_to_mib, spec.grow_after_s
+    )
+    try:
+        op = next(program)
+        while not stop.is_set() and (end is None or time.monotonic() < end):
+            _execute(op, ctx, driver, stop, end)
+            op = program.send(time.monotonic())
+    except InterruptedError:
+        pass  # stopped while a call waited on the GPU
+    finally:
+        ctx.close()
+        if driver is not None:
+            driver.close()
+    return stats
+
+
+def _execute(
+    op: Op, ctx: ContextClient, driver: SimDriverCalls | None, stop: threading.Event, end: float | None
+) -> None:
+    if isinstance(op, Launch):
+        ctx.launch(op.count, op.kernel_s)
+    elif isinstance(op, GraphLaunch):
+        ctx.graph(op.kernels, op.kernel_s)
+    elif isinstance(op, Sync):
+        ctx.sync()
+        if driver is not None:
+            driver.control()  # a CUDA process's bookkeeping with the driver
+    elif isinstance(op, Sleep):
+        seconds = op.seconds if end is None else min(op.seconds, max(0.0, end - time.monotonic()))
+        stop.wait(seconds)
+    else:
+        assert isinstance(op, Alloc)
+        ctx.alloc(op.mib)
+        if driver is not None:
+            driver.allocate(op.mib)
+
+
+def report(spec: WorkloadSpec, stats: WorkloadStats) -> dict[str, Any]:
+    """What the workload did, as ``--report`` writes it."""
+    p50, p99 = stats.latency(0.5), stats.latency(0.99)
+    return {
+        "pid": os.getpid(),
+        "pattern": spec.pattern.pattern,
+        "launches": stats.launches,
+        "syncs": stats.syncs,
+        "requests": stats.requests,
+        "latency_p50_ms": None if p50 is None else round(p50 * 1000, 3),
+        "latency_p99_ms": None if p99 is None else round(p99 * 1000, 3),
+        "phases": stats.phases,
+    }
+
+
+def write_report(path: Path, content: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(content))
+        tmp.replace(path)
+    except OSError as err:
+        raise SimulationError(f"cannot write the workload report {path}: {err}") from err
