@@ -128,10 +128,12 @@ class EnforcementSettings:
     """Compute caps and memory quotas: the duty-cycle controller and the memory guard (issue D)."""
 
     enabled: bool = True  # False: measure and report only, never freeze or kill
-    period_s: float = 0.25  # one duty cycle: thawed duty x period, frozen for the rest
-    window_s: float = 1.0  # utilization is averaged over this much of the samples' own time
-    gain: float = 0.5  # integral gain: duty change per period per unit of error (100 pp = 1.0)
+    period_s: float = 0.25  # the control period: measure, update duties, act
+    window_s: float = 1.0  # a container is measured over at least this much sample time
+    gain: float = 0.7  # share of an error within 10 pp that one update corrects
     min_duty: float = 0.02  # never below: a capped container always makes some progress
+    max_cycle_s: float = 2.0  # the longest duty cycle (work that drains long earns a long one)
+    idle_hold_s: float = 5.0  # an idle throttled container keeps its duty this long
     actuator: ActuatorMode = ActuatorMode.AUTO
     memory_mode: MemoryQuotaMode = MemoryQuotaMode.KILL
     memory_check_s: float = 0.2  # GPU memory is compared with the quotas this often

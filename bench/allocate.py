@@ -47,7 +47,8 @@ from agent.emulators.apiserver import FakeApiServer
 from agent.emulators.kubelet import KubeletEmulator
 from agent.emulators.simnode import running_sim_node, sim_agent_command
 from agent.platform.driverfiles import DriverFiles
-from agent.platform.gpu.simulated import SimulatedBackend
+from agent.platform.gpu.sim.inventory import sim_gpus, sim_topology
+from agent.platform.gpu.sim.spec import parse_simulate_spec
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.settings import DeviceListStrategy
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
@@ -64,44 +65,40 @@ def percentile(values: list[float], q: float) -> float:
 
 def handler_latencies(requests: list[pb.PreferredAllocationRequest], rounds: int, spec: str) -> list[float]:
     """The same round trips handed to the servicer in this process: the plugin's own work."""
-    with tempfile.TemporaryDirectory(prefix="vc-bench-") as state:
-        backend = SimulatedBackend(spec, "bench", Path(state))
-        try:
-            gpus = backend.gpus()
-            service = DevicePluginService(
-                gpus,
-                backend.topology(),
-                HealthBoard(g.index for g in gpus),
-                ResponseBuilder(DeviceListStrategy.MOUNTS, DriverFiles()),
-            )
-            context = cast(grpc.ServicerContext, None)  # only touched on errors, which these requests avoid
-            # The IDs of this node differ from the agent's (other node name): rebuild the requests.
-            available = [d for g in gpus for d in ids_for_gpu(g.uuid)]
-            local = [
-                pb.PreferredAllocationRequest(
-                    container_requests=[
-                        pb.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=available,
-                            allocation_size=r.container_requests[0].allocation_size,
-                        )
-                    ]
+    models = parse_simulate_spec(spec)
+    gpus = sim_gpus("bench", models)
+    service = DevicePluginService(
+        gpus,
+        sim_topology(models),
+        HealthBoard(g.index for g in gpus),
+        ResponseBuilder(DeviceListStrategy.MOUNTS, DriverFiles()),
+    )
+    context = cast(grpc.ServicerContext, None)  # only touched on errors, which these requests avoid
+    # The IDs of this node differ from the agent's (other node name): rebuild the requests.
+    available = [d for g in gpus for d in ids_for_gpu(g.uuid)]
+    local = [
+        pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available,
+                    allocation_size=r.container_requests[0].allocation_size,
                 )
-                for r in requests
             ]
-            latencies: list[float] = []
-            for i in range(rounds + 200):
-                started = time.perf_counter()
-                preferred = service.GetPreferredAllocation(local[i % len(local)], context)
-                ids = preferred.container_responses[0].deviceIDs
-                service.Allocate(
-                    pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
-                    context,
-                )
-                if i >= 200:
-                    latencies.append((time.perf_counter() - started) * 1000)
-            return latencies
-        finally:
-            backend.close()
+        )
+        for r in requests
+    ]
+    latencies: list[float] = []
+    for i in range(rounds + 200):
+        started = time.perf_counter()
+        preferred = service.GetPreferredAllocation(local[i % len(local)], context)
+        ids = preferred.container_responses[0].deviceIDs
+        service.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+            context,
+        )
+        if i >= 200:
+            latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
 
 
 def main() -> int:

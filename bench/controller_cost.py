@@ -54,6 +54,9 @@ class SyntheticSamples:
     def device_utilization(self, index: int) -> int:
         return 10 * PER_GPU
 
+    def sample_period_s(self, index: int) -> float | None:
+        return 0.2
+
 
 class RecordingActuator:
     name = "recording"

@@ -1,22 +1,37 @@
-"""Compute-cap accuracy on the simulated GPU: the real agent, real containers, real freezer.
+"""Compute-cap accuracy on the simulated GPU engine, for every workload pattern and policy.
 
-For each scenario a fresh simulated node (``agent.emulators.enforcednode``) runs busy
-workloads in real container cgroups; the agent caps them by its duty cycle. Each
-container's utilization is read from its CPU time in 0.5 s windows for ``--seconds``
-after the workloads start. Reported per container: the target, the mean after
-``--settle`` seconds, p5/p95 of the windows, and the settling time (the first window after
-which every window's mean stays within ±5 pp of the target... of the 2 s rolling mean).
+Per pattern and scenario, a fresh simulated node: the GPU server (queued kernels keep
+running while their submitter is frozen, time-slicing between contexts, NVML samples per
+sample period, late) outside every container; a real ``vcuda-agent run`` that measures the
+workloads through those samples and freezes their real cgroups; one real ``sim-workload``
+process per container. What each container got is the GPU server's ground truth, in 0.5 s
+windows, for ``--seconds`` after its workload started.
 
-    sudo .venv/bin/python bench/enforcement.py [--seconds 23] [--settle 3]
+``--model`` runs the same scenarios in virtual time instead: the same engine, programs and
+controller (``Enforcer``) in this process, no OS (a frozen program is not stepped). Minutes
+of GPU time take a second, so parameter sweeps are cheap; the real run is the reference.
 
-Last line: ``RESULT max_abs_error_pp=... max_settle_s=...``.
+Expected use per window: fixed-share → its cap; burst-share → its limit (100) while no
+neighbour is active, its request while one is; best-effort → what is left (reported, not
+scored); never more than the pattern asks of an idle GPU. ``bursty`` workloads report
+their on/off phases: a container is expected to use nothing while off, and its error is
+its use per second of being on, against the target.
+
+    sudo .venv/bin/python bench/enforcement.py [--pattern train,infer,graph,bursty,burn]
+        [--sample-period S] [--timeslice-ms MS] [--kernel-ms MS] [--seed N] [--seconds S]
+        [--sample-delay S] [--sample-jitter S] [--settle S] [--model]
+
+Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infer_p99_ms=...``
+(max_abs_error_pp and max_settle_s over every capped container of every pattern but burn).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import shutil
-import statistics
+import signal
 import tempfile
 import threading
 import time
@@ -24,128 +39,243 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from enforcement_model import Box, Run, run_model
+
 from agent.domain.annotations import POLICY
-from agent.emulators.containers import RunningContainer
-from agent.emulators.enforcednode import cpu_seconds, enforced_node
+from agent.emulators.enforcednode import enforced_node
+from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
 
 WINDOW_S = 0.5
 SETTLE_BAND_PP = 5.0
-
-
-@dataclass(frozen=True)
-class Box:
-    name: str
-    cores: int
-    policy: str
-    target: float  # what the container should get once settled
+# infer: 8 closed-loop clients offering 3 GPUs of requests (whatever --kernel-ms): a
+# server loaded past any cap, whose latency stays bounded (each client waits for its answer).
+INFER_LOAD = 3.0
+INFER_CLIENTS = 8
+BURSTY_ON_S, BURSTY_OFF_S = 8.0, 4.0
 
 
 SCENARIOS: list[tuple[str, list[Box]]] = [
-    ("fixed 30 alone", [Box("a", 30, "fixed-share", 30)]),
-    ("fixed 50 alone", [Box("a", 50, "fixed-share", 50)]),
-    ("fixed 80 alone", [Box("a", 80, "fixed-share", 80)]),
-    ("fixed 30 + fixed 60", [Box("a", 30, "fixed-share", 30), Box("b", 60, "fixed-share", 60)]),
-    ("burst 30 alone", [Box("a", 30, "burst-share", 100)]),
-    ("burst 30 + burst 50", [Box("a", 30, "burst-share", 30), Box("b", 50, "burst-share", 50)]),
-    ("fixed 40 + best-effort 30", [Box("a", 40, "fixed-share", 40), Box("b", 30, "best-effort", 60)]),
+    ("fixed 30 alone", [Box("a", 30, "fixed-share")]),
+    ("fixed 60 alone", [Box("a", 60, "fixed-share")]),
+    ("burst 30 alone", [Box("a", 30, "burst-share")]),
+    ("fixed 30 + fixed 60", [Box("a", 30, "fixed-share"), Box("b", 60, "fixed-share")]),
+    ("burst 30 + burst 50", [Box("a", 30, "burst-share"), Box("b", 50, "burst-share")]),
+    ("fixed 40 + best-effort 30", [Box("a", 40, "fixed-share"), Box("b", 30, "best-effort")]),
 ]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def pattern_spec(pattern: str, kernel_ms: float | None, seed: int) -> PatternSpec:
+    spec = PatternSpec(pattern, kernel_ms=kernel_ms, seed=seed, on_s=BURSTY_ON_S, off_s=BURSTY_OFF_S)
+    if pattern == "infer":  # the same load at any kernel length
+        rate = INFER_LOAD / (spec.n_kernels * spec.kernel_s)
+        spec = PatternSpec(pattern, kernel_ms=kernel_ms, seed=seed, rate=rate, clients=INFER_CLIENTS)
+    return spec
 
 
-def sample(boxes: list[RunningContainer], seconds: float) -> list[list[float]]:
-    """Per container, its utilization in each WINDOW_S window."""
-    series: list[list[float]] = [[] for _ in boxes]
-    last = [cpu_seconds(b.pid) for b in boxes]
-    last_t = time.monotonic()
-    end = last_t + seconds
-    stop = threading.Event()
-    while time.monotonic() < end:
-        stop.wait(WINDOW_S)
-        now = [cpu_seconds(b.pid) for b in boxes]
-        now_t = time.monotonic()
-        for i, (a, b) in enumerate(zip(last, now, strict=True)):
-            series[i].append(100 * (b - a) / (now_t - last_t))
-        last, last_t = now, now_t
-    return series
+def workload_args(spec: PatternSpec) -> tuple[str, ...]:
+    args = ["--pattern", spec.pattern, "--kernel-ms", f"{spec.kernel_s * 1000:g}", "--seed", str(spec.seed)]
+    if spec.pattern == "infer":
+        args += ["--rate", f"{spec.rate:g}", "--clients", str(spec.clients)]
+    if spec.pattern == "bursty":
+        args += ["--on", f"{spec.on_s:g}", "--off", f"{spec.off_s:g}"]
+    return tuple(args)
 
 
-def settle_time(windows: list[float], target: float) -> float:
-    """Seconds until the 2 s rolling mean enters ±SETTLE_BAND_PP of the target for good."""
-    span = int(2 / WINDOW_S)
-    rolling = [statistics.fmean(windows[max(0, i - span + 1) : i + 1]) for i in range(len(windows))]
-    settled_at = len(rolling)
-    for i in range(len(rolling) - 1, -1, -1):
-        if abs(rolling[i] - target) > SETTLE_BAND_PP:
-            break
-        settled_at = i
-    return (settled_at + 1) * WINDOW_S
+def on_fraction(phases: list[tuple[float, bool]], start: float, end: float) -> float:
+    """Share of [start, end) the workload was on (no phases: always)."""
+    if not phases:
+        return 1.0
+    on_time, state, since = 0.0, False, start
+    for at, now_on in phases:
+        if at > start:
+            if state:
+                on_time += min(at, end) - since
+            if at >= end:
+                break
+        since, state = max(at, start), now_on
+    else:
+        if state:
+            on_time += end - since
+    return max(0.0, min(1.0, on_time / (end - start)))
+
+
+def expected(boxes: list[Box], demand: float, on: list[float]) -> list[float]:
+    """Each container's expected use in one window (see the module docstring)."""
+    active = [i for i, f in enumerate(on) if f > 0]
+    out = [0.0] * len(boxes)
+    for i, box in enumerate(boxes):
+        if box.policy == "fixed-share":
+            target = float(box.cores)
+        elif box.policy == "burst-share":
+            target = float(box.cores if any(j != i for j in active) else 100)
+        else:
+            continue
+        out[i] = min(target, 100 * demand) * on[i]
+    for i, box in enumerate(boxes):
+        if box.policy == "best-effort":
+            out[i] = max(0.0, min(100 * demand, 100 - sum(out))) * on[i]
+    return out
 
 
 @dataclass(frozen=True)
-class Outcome:
-    row: str
-    error_pp: float
+class Row:
+    line: str
+    error_pp: float | None  # None: not scored (best-effort)
     settle_s: float
+    p99_ms: float | None
 
 
-def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, workdir: Path) -> list[Outcome]:
-    with enforced_node(workdir, agent_args=("--log-level", "WARNING", "--device-guard", "off")) as node:
-        running = [node.run_pod(f"pod-{b.name}", b.cores, annotations={POLICY: b.policy}) for b in boxes]
-        series = sample(running, seconds)
-    return outcomes(name, boxes, series, settle)
+def phases_of(report: dict[str, object]) -> list[tuple[float, bool]]:
+    raw = report.get("phases")
+    return [(float(t), bool(on)) for t, on in raw] if isinstance(raw, list) else []
 
 
-def outcomes(name: str, boxes: list[Box], series: list[list[float]], settle: float) -> list[Outcome]:
-    """One table row per container from its utilization windows."""
-    rows = []
+def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float, settle: float) -> list[Row]:
+    phases = [phases_of(r) for r in run.reports] if run.reports else [[] for _ in boxes]
+    n = min(len(w) for w in run.windows)
+    on = [
+        [on_fraction(phases[i], run.starts[w], run.starts[w] + WINDOW_S) for w in range(n)]
+        for i in range(len(boxes))
+    ]
+    want = [expected(boxes, demand, [on[i][w] for i in range(len(boxes))]) for w in range(n)]
     skip = int(settle / WINDOW_S)
-    for box, windows in zip(boxes, series, strict=True):
-        after = windows[skip:]
-        mean = statistics.fmean(after)
-        settled = settle_time(windows, box.target)
-        row = (
-            f"| {name} | {box.name}: {box.policy} {box.cores} | {box.target:.0f} | {mean:.1f} | "
-            f"{percentile(after, 5):.1f} | {percentile(after, 95):.1f} | {mean - box.target:+.1f} | "
-            f"{settled:.1f} |"
+    rows = []
+    for i, box in enumerate(boxes):
+        used = run.windows[i][skip:n]
+        exp = [want[w][i] for w in range(skip, n)]
+        on_s = sum(on[i][skip:n])
+        mean_used = sum(used) / on_s if on_s else 0.0
+        mean_exp = sum(exp) / on_s if on_s else 0.0
+        err = mean_used - mean_exp
+        active = [tuple(on[j][w] > 0 for j in range(len(boxes))) for w in range(n)]
+        settled = settle_time(run.windows[i][:n], [want[w][i] for w in range(n)], active)
+        p99 = run.reports[i].get("latency_p99_ms") if run.reports else None
+        p99_ms = float(p99) if isinstance(p99, int | float) else None
+        line = (
+            f"| {pattern} | {name} | {box.name}: {box.policy} {box.cores} | {mean_exp:.0f} | "
+            f"{mean_used:.1f} | {err:+.1f} | {settled:.1f} | {'' if p99_ms is None else f'{p99_ms:.0f}'} |"
         )
-        rows.append(Outcome(row, abs(mean - box.target), settled))
+        rows.append(Row(line, None if box.policy == "best-effort" else err, settled, p99_ms))
     return rows
 
 
-ScenarioRunner = Callable[[str, list[Box], float, float, Path], list[Outcome]]
+def settle_time(used: list[float], want: list[float], active: list[tuple[bool, ...]]) -> float:
+    """After each change of who is active (the start, a bursty phase edge), the seconds
+    until the 2 s rolling mean of the use enters ±SETTLE_BAND_PP of the expected and stays
+    there until the next change; the longest of those."""
+    span = int(2 / WINDOW_S)
+    edges = [0] + [i for i in range(1, len(active)) if active[i] != active[i - 1]] + [len(used)]
+    longest = 0.0
+    for first, end in itertools.pairwise(edges):
+        settled_at = end
+        for i in range(end - 1, first - 1, -1):
+            lo = max(first, i - span + 1)
+            if abs(sum(used[lo : i + 1]) - sum(want[lo : i + 1])) / (i + 1 - lo) > SETTLE_BAND_PP:
+                break
+            settled_at = i
+        longest = max(longest, (settled_at - first + 1) * WINDOW_S)
+    return longest
 
 
-def run_all(run: ScenarioRunner, description: str | None) -> int:
-    """Parse --seconds/--settle, run every scenario with ``run``, print the table and RESULT."""
+def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, workdir: Path) -> Run:
+    gpu_args = [
+        "--timeslice-ms", f"{args.timeslice_ms:g}", "--sample-delay", f"{args.sample_delay:g}",
+        "--sample-jitter", f"{args.sample_jitter:g}", "--seed", str(args.seed),
+    ]  # fmt: skip
+    if args.sample_period is not None:
+        gpu_args += ["--sample-period", f"{args.sample_period:g}"]
+    agent_args = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
+    with enforced_node(workdir, gpu_args=tuple(gpu_args), agent_args=agent_args) as node:
+        running = []
+        for box in boxes:
+            report = workdir / f"{box.name}.json"
+            extra = (*workload_args(spec), "--report", str(report))
+            running.append(
+                node.run_pod(f"pod-{box.name}", box.cores, annotations={POLICY: box.policy}, extra=extra)
+            )
+        windows: list[list[float]] = [[] for _ in boxes]
+        starts: list[float] = []
+        last, last_t = node.gpu_seconds(running), time.monotonic()
+        end = last_t + args.seconds
+        while last_t < end:
+            threading.Event().wait(WINDOW_S)
+            now, now_t = node.gpu_seconds(running), time.monotonic()
+            for i in range(len(boxes)):
+                windows[i].append(100 * (now[i] - last[i]) / (now_t - last_t))
+            starts.append(last_t)
+            last, last_t = now, now_t
+        node.stop_agent()  # everything thawed: the workloads can stop and write their reports
+        for container in running:
+            container.proc.send_signal(signal.SIGTERM)
+            container.proc.wait(timeout=20)
+        reports = [json.loads((workdir / f"{b.name}.json").read_text()) for b in boxes]
+    return Run(windows, starts, reports)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=23.0, help="measured per scenario (default 23)")
-    parser.add_argument("--settle", type=float, default=3.0, help="left out of the mean (default 3)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--pattern", default=",".join(PATTERNS), help="comma-separated patterns (default all)"
+    )
+    parser.add_argument(
+        "--sample-period", type=float, help="NVML sample period, s (default the model's, 1/6)"
+    )
+    parser.add_argument("--sample-delay", type=float, default=0.25, help="samples arrive this late, s")
+    parser.add_argument("--sample-jitter", type=float, default=0.25, help="...plus up to this much, s")
+    parser.add_argument("--timeslice-ms", type=float, default=2.0, help="time-slice between contexts")
+    parser.add_argument("--kernel-ms", type=float, help="kernel length (default: the pattern's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of arrivals and sample jitter")
+    parser.add_argument("--seconds", type=float, default=25.0, help="measured per scenario (default 25)")
+    parser.add_argument("--settle", type=float, default=5.0, help="left out of the error (default 5)")
+    parser.add_argument("--model", action="store_true", help="virtual time in this process (see above)")
+    args = parser.parse_args(argv)
+    bad = [p for p in args.pattern.split(",") if p not in PATTERNS]
+    if bad:
+        parser.error(f"--pattern: unknown {', '.join(bad)} (known: {', '.join(PATTERNS)})")
+    return args
+
+
+Runner = Callable[[list[Box], PatternSpec, argparse.Namespace, Path], Run]
+
+
+def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
+    """The table and RESULT line; ``real`` runs a scenario outside ``--model``."""
+    args = parse(argv)
     workdir = Path(tempfile.mkdtemp(prefix="vc-enf-", dir="/tmp"))
-    print("| scenario | container | target % | mean % | p5 % | p95 % | error pp | settle s |")
+    mode = "model (virtual time)" if args.model else "real agent, containers and freezer"
+    print(f"# {mode}; sample period {args.sample_period or 'default'} s, timeslice {args.timeslice_ms:g} ms")
+    print("| pattern | scenario | container | expected % | used % | error pp | settle s | p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
-    errors: list[float] = []
-    settles: list[float] = []
+    rows: dict[str, list[Row]] = {}
     try:
-        for i, (name, boxes) in enumerate(SCENARIOS):
-            for outcome in run(name, boxes, args.seconds, args.settle, workdir / str(i)):
-                print(outcome.row, flush=True)
-                errors.append(outcome.error_pp)
-                settles.append(outcome.settle_s)
+        for pattern in args.pattern.split(","):
+            spec = pattern_spec(pattern, args.kernel_ms, args.seed)
+            demand = spec.demand() or 1.0
+            if pattern == "bursty":
+                demand = spec.busy
+            for i, (name, boxes) in enumerate(SCENARIOS):
+                if args.model:
+                    run = run_model(boxes, spec, args, WINDOW_S)
+                else:
+                    run = real(boxes, spec, args, workdir / f"{pattern}-{i}")
+                for row in score(pattern, name, boxes, run, demand=demand, settle=args.settle):
+                    print(row.line, flush=True)
+                    rows.setdefault(pattern, []).append(row)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"RESULT max_abs_error_pp={max(errors):.1f} max_settle_s={max(settles):.1f}")
+    scored = [r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None]
+    burn = [r.error_pp for r in rows.get("burn", []) if r.error_pp is not None]
+    p99 = [r.p99_ms for r in rows.get("infer", []) if r.p99_ms is not None and r.error_pp is not None]
+    print(
+        "RESULT "
+        f"max_abs_error_pp={max((abs(r.error_pp or 0) for r in scored), default=0):.1f} "
+        f"max_settle_s={max((r.settle_s for r in scored), default=0):.1f} "
+        f"burn_error_pp={max(burn, default=0):+.1f} "
+        f"infer_p99_ms={max(p99, default=0):.0f}"
+    )
     return 0
-
-
-def main() -> int:
-    return run_all(run_scenario, __doc__)
 
 
 if __name__ == "__main__":

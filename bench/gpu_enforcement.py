@@ -1,5 +1,6 @@
 """Compute-cap accuracy on a real NVIDIA GPU: real NVML, real freezer, a CUDA matmul loop per
-container. The same scenarios and table as bench/enforcement.py; CI does not run it.
+container (a train-like pattern). The same scenarios and table as bench/enforcement.py; CI
+does not run it.
 
 Each scenario starts the agent on the machine's GPUs (no ``--simulate``) in Kubernetes
 mode against the emulated API server and kubelet, admits the pods through the real device
@@ -10,19 +11,21 @@ turned into time-weighted utilization by the agent's own estimator over 0.5 s wi
 
 Needs: root, an NVIDIA driver, ``pip install torch`` in the venv (PyTorch with CUDA).
 
-    sudo .venv/bin/python bench/gpu_enforcement.py [--seconds 23] [--settle 3]
+    sudo .venv/bin/python bench/gpu_enforcement.py [--seconds 25] [--settle 5]
 
-Last line: ``RESULT max_abs_error_pp=... max_settle_s=...``.
+Last line: as bench/enforcement.py's (the pattern column reads ``train``).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import time
 from pathlib import Path
 
-from enforcement import WINDOW_S, Box, Outcome, outcomes, run_all
+from enforcement import WINDOW_S, main
+from enforcement_model import Box, Run
 
 from agent.domain.annotations import POLICY
 from agent.domain.usage import GpuUsageEstimator
@@ -30,6 +33,7 @@ from agent.emulators.cluster import container_id
 from agent.emulators.enforcednode import EnforcedNode, enforced_node, pod_manifest, wait_for
 from agent.platform.cgroups.paths import QosClass
 from agent.platform.gpu.nvml import open_nvml_backend
+from agent.platform.gpu.sim.programs import PatternSpec
 
 # Short kernels back to back, each waited for: the pattern the duty cycle follows closely.
 MATMUL = """
@@ -67,39 +71,37 @@ def start_workload(node: EnforcedNode, name: str, box: Box) -> tuple[int, int]:
     return running.pid, index
 
 
-def sample(pids: list[tuple[int, int]], seconds: float) -> list[list[float]]:
+def sample(pids: list[tuple[int, int]], seconds: float) -> tuple[list[list[float]], list[float]]:
     """Per container, its NVML utilization in each WINDOW_S window."""
     backend = open_nvml_backend()
     estimators = {index: GpuUsageEstimator[int](window_s=WINDOW_S) for _, index in pids}
     since = dict.fromkeys(estimators, 0)
     series: list[list[float]] = [[] for _ in pids]
+    starts: list[float] = []
     stop = threading.Event()
     end = time.monotonic() + seconds
     try:
         while time.monotonic() < end:
+            starts.append(time.monotonic())
             stop.wait(WINDOW_S)
             for index, estimator in estimators.items():
                 samples = backend.process_samples(index, since[index])
                 if samples:
                     since[index] = max(s.timestamp_us for s in samples)
-                estimator.add_samples((s.pid, s.timestamp_us, float(s.sm_util)) for s in samples)
+                estimator.add_samples((s.pid, s.pid, s.timestamp_us, float(s.sm_util)) for s in samples)
             for i, (pid, index) in enumerate(pids):
                 series[i].append(estimators[index].estimate(time.time()).by_key.get(pid, 0.0))
     finally:
         backend.close()
-    return series
+    return series, starts
 
 
-def run_scenario(name: str, boxes: list[Box], seconds: float, settle: float, workdir: Path) -> list[Outcome]:
+def run_scenario(boxes: list[Box], _spec: PatternSpec, args: argparse.Namespace, workdir: Path) -> Run:
     with enforced_node(workdir, None, agent_args=("--log-level", "WARNING")) as node:
         pids = [start_workload(node, f"pod-{b.name}", b) for b in boxes]
-        series = sample(pids, seconds)
-    return outcomes(name, boxes, series, settle)
-
-
-def main() -> int:
-    return run_all(run_scenario, __doc__)
+        windows, starts = sample(pids, args.seconds)
+    return Run(windows, starts)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["--pattern", "train", *sys.argv[1:]], real=run_scenario))

@@ -22,7 +22,9 @@ for the rest (:mod:`agent.control.dutycycle`). Per container:
 3. **Idle**: a throttled container that stops using the GPU keeps its duty (and cycle)
    for ``idle_hold_s``, so a workload that pauses between bursts comes back at the duty
    that held it, instead of running unthrottled until the late samples show it; idle
-   longer than that, it is released. A stretch that includes the idle time is not used.
+   longer than that, it is released. This holds even while its target is the whole GPU (a
+   burst-share container whose neighbours paused with it): they come back together, held.
+   A stretch that includes the idle time is not used.
 4. **Cycle length**: a frozen process stops submitting, but the GPU finishes what it has
    queued (a training step, a graph, a deep queue). Work in flight at each freeze makes the
    use a staircase of the duty, one step per unit of work: with a cycle short against that
@@ -146,10 +148,11 @@ def idle_level(target: float) -> float:
 def next_duty(state: DutyState, measured: Measurement | None, target: float | None, gains: Gains) -> float:
     """Update ``state`` with a measurement and return the new duty (1.0: not throttled). A
     measurement no newer than the last one acted on changes nothing."""
-    if target is None or target >= 100:
+    fresh = measured is not None and (measured.current or measured.end_s > state.last_end_s)
+    if target is None or (target >= 100 and not _holding_idle(state, measured, fresh)):
         state.duty, state.idle_since_s = 1.0, None  # the whole GPU: nothing to hold
         return 1.0
-    if measured is None or (not measured.current and measured.end_s <= state.last_end_s):
+    if measured is None or not fresh:
         return state.duty
     if not measured.current:
         state.last_end_s = measured.end_s
@@ -188,6 +191,18 @@ def next_duty(state: DutyState, measured: Measurement | None, target: float | No
     state.updated_s = now_s
     _update_cycle(state, measured, target, before, gains)
     return state.duty
+
+
+def _holding_idle(state: DutyState, measured: Measurement | None, fresh: bool) -> bool:
+    """A throttled container that is idle keeps its duty through its hold even when its
+    target is the whole GPU meanwhile (a burst-share container whose neighbours went idle
+    with it): when they all come back, they come back held."""
+    if state.duty >= 1.0:
+        return False
+    if fresh:
+        assert measured is not None
+        return measured.used < ACTIVE_PERCENT
+    return state.idle_since_s is not None
 
 
 def _update_cycle(state: DutyState, measured: Measurement, target: float, duty: float, gains: Gains) -> None:

@@ -78,7 +78,14 @@ class EnforcementIntegration:
             locate=self.locate,
             actuator=self.actuator,
             period_s=settings.period_s,
-            gains=Gains(settings.gain, settings.min_duty, settings.window_s, settings.period_s),
+            gains=Gains(
+                gain=settings.gain,
+                min_duty=settings.min_duty,
+                window_s=settings.window_s,
+                period_s=settings.period_s,
+                max_cycle_s=settings.max_cycle_s,
+                idle_hold_s=settings.idle_hold_s,
+            ),
             clock=self._clock,
             enabled=settings.enabled,
         )

@@ -22,7 +22,7 @@ import pytest
 from agent.clock import SystemClock
 from agent.control.memguard import EVENT_REASON, MemoryGuard, MemoryView, process_uses
 from agent.domain.memquota import MIB, ProcessUse
-from agent.platform.gpu.simulated import SimulatedBackend
+from agent.platform.gpu.sim.backend import SimulatedBackend
 from agent.platform.kube.pods import PodInfo
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.settings import MemoryQuotaMode
@@ -32,15 +32,7 @@ QUOTA_MIB = 1024
 GROWER_POD = PodInfo(uid="u-grower", namespace="ns", name="grower")
 NEIGHBOUR_POD = PodInfo(uid="u-neighbour", namespace="ns", name="neighbour")
 
-# The grower runs `vcuda-agent sim-workload` through workload_main with the growth options
-# set, as the CLI passes them once cli/main.py declares --grow-to-mib and --grow-after.
-GROWER = r"""
-import argparse, sys
-from agent.surfaces.cli.sim import workload_main
-args = argparse.Namespace(sim_state_dir=sys.argv[1], gpu=0, memory_mib=800, busy=0.05, duration=None,
-                          grow_to_mib=1500, grow_after=1.0)
-raise SystemExit(workload_main(args))
-"""
+CLI = str(Path(sys.executable).with_name("vcuda-agent"))  # the installed console script
 
 
 @dataclass
@@ -56,13 +48,19 @@ class Events:
 
 @pytest.fixture
 def backend(short_dir: Path) -> Iterator[SimulatedBackend]:
-    sim = SimulatedBackend("1xH100-80GB", "quota-node", short_dir / "sim", sample_period_s=0.1)
+    sim = SimulatedBackend("1xH100-80GB", "quota-node", short_dir / "sim")
     yield sim
     sim.close()
 
 
+def workload(sim: SimulatedBackend, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [CLI, "sim-workload", "--sim-state-dir", str(sim.root.root), "--gpu", "0", "--busy", "0.05"]
+    return subprocess.Popen([*cmd, *args])
+
+
 def registered_mib(sim: SimulatedBackend, pid: int) -> int | None:
-    return next((p.memory_mib for p in sim.state.processes() if p.pid == pid), None)
+    """What the GPU says the process holds (NVML's per-process memory)."""
+    return next((m.used_bytes // MIB for m in sim.process_memory(0) if m.pid == pid), None)
 
 
 def wait_registered(sim: SimulatedBackend, *pids: int, timeout_s: float = 10.0) -> None:
@@ -71,7 +69,7 @@ def wait_registered(sim: SimulatedBackend, *pids: int, timeout_s: float = 10.0) 
         if all(registered_mib(sim, pid) is not None for pid in pids):
             return
         time.sleep(0.02)
-    raise AssertionError(f"workloads {pids} did not register: {sim.state.processes()}")
+    raise AssertionError(f"workloads {pids} hold no GPU memory: {sim.process_memory(0)}")
 
 
 def views(sim: SimulatedBackend, procfs: ProcFS, grower: int, neighbour: int) -> list[MemoryView]:
@@ -87,9 +85,9 @@ def test_the_grower_is_killed_within_a_second_and_the_neighbour_is_untouched(
     backend: SimulatedBackend,
 ) -> None:
     procfs = ProcFS()
-    neighbour = backend.launch_workload(0, memory_mib=512, busy=0.05)
+    neighbour = workload(backend, "--memory-mib", "512")
     wait_registered(backend, neighbour.pid)
-    grower = subprocess.Popen([sys.executable, "-c", GROWER, str(backend.state.root)])
+    grower = workload(backend, "--memory-mib", "800", "--grow-to-mib", "1500", "--grow-after", "1")
     try:
         wait_registered(backend, grower.pid)
         neighbour_identity = procfs.identity(neighbour.pid)
@@ -132,9 +130,10 @@ def test_the_grower_is_killed_within_a_second_and_the_neighbour_is_untouched(
             assert guard.check(views(backend, procfs, grower.pid, neighbour.pid)) == []
         assert neighbour.poll() is None
     finally:
-        if grower.poll() is None:
-            grower.kill()
-        grower.wait(timeout=5)
+        for proc in (grower, neighbour):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=5)
 
 
 def start_sleeper() -> subprocess.Popen[bytes]:

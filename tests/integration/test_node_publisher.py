@@ -27,8 +27,8 @@ from agent.domain.nodeinventory import (
 )
 from agent.emulators.apiserver import FakeApiServer
 from agent.platform.gpu.inventory import GpuInfo, Link, Topology, TopologyLevel
-from agent.platform.gpu.sim.spec import parse_simulate_spec
 from agent.platform.gpu.sim.inventory import sim_numa_nodes, sim_topology
+from agent.platform.gpu.sim.spec import parse_simulate_spec
 from agent.platform.kube.nodes import NodeClient, NodeWatch
 from tests.integration.kubeapi import NODE, apiserver, kube, running, wait_until
 

@@ -1,56 +1,85 @@
-"""The simulated backend with real workload processes pinned to real CPU cores."""
+"""The simulated backend over the GPU server, with real workload processes."""
 
 from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.errors import GpuLostError, SimulationError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.simulated import SimulatedBackend
+from agent.platform.gpu.sim.backend import SimulatedBackend
+from agent.platform.gpu.sim.client import NodeClient, context_times, post_event
 
-TWO_CORES = len(os.sched_getaffinity(0)) >= 2
 CLI = str(Path(sys.executable).with_name("vcuda-agent"))  # the installed console script
+PERIOD = 0.2
 
 
 @pytest.fixture
 def backend(short_dir: Path) -> Iterator[SimulatedBackend]:
-    sim = SimulatedBackend("2xH100-80GB", "test-node", short_dir / "sim", sample_period_s=0.2)
+    args = ("--sample-period", str(PERIOD), "--sample-delay", "0.1", "--sample-jitter", "0")
+    sim = SimulatedBackend("2xH100-80GB", "test-node", short_dir / "sim", server_args=args)
     yield sim
     sim.close()
 
 
-def wait_registered(sim: SimulatedBackend, gpu: int, count: int = 1, timeout_s: float = 10.0) -> None:
+def workload(sim: SimulatedBackend, gpu: int, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [CLI, "sim-workload", "--sim-state-dir", str(sim.root.root), "--gpu", str(gpu), *args]
+    return subprocess.Popen(cmd)
+
+
+def truth(sim: SimulatedBackend) -> dict[int, float]:
+    client = NodeClient(sim.root.socket)
+    try:
+        return context_times(client.truth())
+    finally:
+        client.close()
+
+
+def context_rows(sim: SimulatedBackend) -> list[dict[str, Any]]:
+    client = NodeClient(sim.root.socket)
+    try:
+        return [c for g in client.truth()["gpus"] for c in g["contexts"]]
+    finally:
+        client.close()
+
+
+def wait_context(sim: SimulatedBackend, pid: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if len([p for p in sim.state.processes() if p.gpu == gpu]) >= count:
+        if pid in truth(sim):
             return
         time.sleep(0.05)
-    raise AssertionError(f"no workload registered on GPU {gpu}")
+    raise AssertionError(f"pid {pid} opened no context")
 
 
-def mean_utilization(sim: SimulatedBackend, gpu: int, pid: int, seconds: float) -> tuple[float, float]:
-    """Means of the process's samples and of the device utilization read every 0.2 s over
-    ``seconds``, as an NVML consumer would read them."""
+def sampled(sim: SimulatedBackend, gpu: int, pid: int, seconds: float) -> tuple[float, float]:
+    """Mean of the process's samples and of the device utilization over ``seconds``, read as
+    an NVML consumer reads them; samples must cover the time (one per period)."""
     since = int(time.time() * 1_000_000)
-    sim.process_samples(gpu, since)  # baseline reading
-    device: list[int] = []
+    device = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        time.sleep(0.2)
-        sim.process_samples(gpu, since)
+        time.sleep(PERIOD)
         device.append(sim.device_utilization(gpu))
+    time.sleep(0.3)  # the last periods' samples arrive late
     samples = [s.sm_util for s in sim.process_samples(gpu, since) if s.pid == pid]
-    assert len(samples) >= int(seconds / 0.2) - 2, samples
-    return statistics.fmean(samples), statistics.fmean(device)
+    periods = int(seconds / PERIOD)
+    return sum(samples) / periods, sum(device) / len(device)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_inventory_of_the_spec(backend: SimulatedBackend) -> None:
@@ -59,67 +88,77 @@ def test_inventory_of_the_spec(backend: SimulatedBackend) -> None:
     assert all(g.memory_mib == 80 * 1024 and g.model == "NVIDIA H100 80GB HBM3" for g in gpus)
     assert len({g.uuid for g in gpus}) == 2 and all(g.uuid.startswith("GPU-") for g in gpus)
     assert backend.topology().link(0, 1).nvlinks == 18
+    assert backend.sample_period_s(1) == pytest.approx(PERIOD)
 
 
-def test_busy_workload_reads_full_and_idle_reads_zero(backend: SimulatedBackend) -> None:
-    busy = backend.launch_workload(0, memory_mib=2048, busy=1.0)
-    idle = backend.launch_workload(1, memory_mib=512, busy=0.0)
-    wait_registered(backend, 0)
-    wait_registered(backend, 1)
-    # The workload pins itself to its GPU's core.
-    allowed = Path(f"/proc/{busy.pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
-    assert allowed == str(backend.core_of(0))
-    busy_util, busy_device = mean_utilization(backend, 0, busy.pid, 2.0)
-    idle_util, idle_device = mean_utilization(backend, 1, idle.pid, 1.0)
-    assert busy_util >= 90, busy_util
-    assert busy_device >= 85, busy_device
-    assert idle_util <= 5, idle_util
-    assert idle_device <= 5, idle_device
-    memory = {m.pid: m.used_bytes for m in backend.process_memory(0)}
-    assert memory == {busy.pid: 2048 * 1024 * 1024}
-
-
-@pytest.mark.skipif(not TWO_CORES, reason="needs two CPU cores so the half-busy workload is not disturbed")
-def test_half_busy_workload_reads_half(backend: SimulatedBackend) -> None:
-    half = backend.launch_workload(1, memory_mib=0, busy=0.5)
-    wait_registered(backend, 1)
-    util, _ = mean_utilization(backend, 1, half.pid, 2.0)
-    assert 40 <= util <= 60, util
-
-
-def test_stopped_workload_reads_zero(backend: SimulatedBackend) -> None:
-    """What a cgroup freeze will do later: a stopped process uses no GPU time."""
-    busy = backend.launch_workload(0, memory_mib=0, busy=1.0)
-    wait_registered(backend, 0)
-    os.kill(busy.pid, signal.SIGSTOP)
+def test_a_busy_workload_reads_full_and_an_idle_one_not_at_all(backend: SimulatedBackend) -> None:
+    busy = workload(backend, 0, "--memory-mib", "2048")
+    idle = workload(backend, 1, "--memory-mib", "512", "--busy", "0")
     try:
-        time.sleep(0.3)  # let the running sample window close
-        assert mean_utilization(backend, 0, busy.pid, 1.0)[0] <= 5
+        wait_context(backend, busy.pid)
+        wait_context(backend, idle.pid)
+        busy_util, busy_device = sampled(backend, 0, busy.pid, 2.0)
+        idle_util, idle_device = sampled(backend, 1, idle.pid, 1.0)
+        assert busy_util >= 90 and busy_device >= 90, (busy_util, busy_device)
+        assert idle_util == 0 and idle_device == 0  # no GPU time: no samples at all
+        memory = {m.pid: m.used_bytes for m in backend.process_memory(0)}
+        assert memory == {busy.pid: 2048 * 1024 * 1024}
     finally:
-        os.kill(busy.pid, signal.SIGCONT)
+        stop(busy)
+        stop(idle)
 
 
-def test_exited_workload_is_dropped(backend: SimulatedBackend) -> None:
-    proc = backend.launch_workload(0, memory_mib=100, busy=0.0, duration_s=0.3)
-    wait_registered(backend, 0)
-    proc.wait(timeout=10)
-    backend.process_samples(0, 0)
-    time.sleep(0.25)
+def test_a_half_busy_workload_reads_half(backend: SimulatedBackend) -> None:
+    half = workload(backend, 1, "--busy", "0.5")
+    try:
+        wait_context(backend, half.pid)
+        util, _ = sampled(backend, 1, half.pid, 3.0)
+        assert 40 <= util <= 60, util
+    finally:
+        stop(half)
+
+
+def test_a_stopped_process_uses_the_gpu_until_its_queue_drains(backend: SimulatedBackend) -> None:
+    """What a freeze does: a burn's queued kernels (1024 x 2 ms here) still run, exactly."""
+    burn = workload(backend, 0, "--pattern", "burn", "--kernel-ms", "2")
+    try:
+        wait_context(backend, burn.pid)
+        time.sleep(0.5)
+        os.kill(burn.pid, signal.SIGSTOP)
+        # A launch the process was blocked in (64 kernels) completes as room appears, as the
+        # driver call it was in would: after that nothing more is queued.
+        time.sleep(0.3)
+        (at_stop,) = [c for c in context_rows(backend) if c["pid"] == burn.pid]
+        assert at_stop["queued"] >= 1024 - 64 - 150  # kept full, less 0.3 s of drain
+        time.sleep(at_stop["pending_s"] / 2)
+        (half,) = [c for c in context_rows(backend) if c["pid"] == burn.pid]
+        assert half["ran_s"] - at_stop["ran_s"] >= at_stop["pending_s"] / 2 - 0.05  # the GPU is all its
+        time.sleep(at_stop["pending_s"] / 2 + 0.5)
+        (after,) = [c for c in context_rows(backend) if c["pid"] == burn.pid]
+        assert after["ran_s"] - at_stop["ran_s"] == pytest.approx(at_stop["pending_s"], abs=1e-6)
+        assert (after["queued"], after["pending_s"]) == (0, 0.0)
+    finally:
+        stop(burn)
+
+
+def test_an_exited_workload_is_dropped(backend: SimulatedBackend) -> None:
+    proc = workload(backend, 0, "--memory-mib", "100", "--busy", "0", "--duration", "0.5")
+    assert proc.wait(timeout=10) == 0
+    time.sleep(2 * backend._refresh_s)
     assert backend.process_memory(0) == []
-    assert backend.state.processes() == []
+    assert proc.pid not in truth(backend)
 
 
-def test_workload_cli_cleans_up_on_sigterm(backend: SimulatedBackend) -> None:
-    cmd = [CLI, "sim-workload", "--sim-state-dir", str(backend.state.root), "--gpu", "1"]
-    proc = subprocess.Popen([*cmd, "--memory-mib", "64", "--busy", "0.1"])
-    wait_registered(backend, 1)
+def test_the_workload_cli_leaves_on_sigterm(backend: SimulatedBackend) -> None:
+    proc = workload(backend, 1, "--memory-mib", "64", "--busy", "0.1")
+    wait_context(backend, proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
-    assert backend.state.processes() == []
+    assert proc.pid not in truth(backend)
 
 
-def test_workload_rejects_bad_input(backend: SimulatedBackend) -> None:
-    base = [CLI, "sim-workload", "--sim-state-dir", str(backend.state.root)]
+def test_the_workload_rejects_bad_input(backend: SimulatedBackend) -> None:
+    base = [CLI, "sim-workload", "--sim-state-dir", str(backend.root.root)]
     bad_gpu = subprocess.run([*base, "--gpu", "7"], capture_output=True, text=True, timeout=30)
     assert bad_gpu.returncode == 1 and "no GPU 7" in bad_gpu.stderr
     bad_busy = subprocess.run(
@@ -130,7 +169,7 @@ def test_workload_rejects_bad_input(backend: SimulatedBackend) -> None:
 
 def test_injected_events(backend: SimulatedBackend) -> None:
     result = subprocess.run(
-        [CLI, "sim-event", "--sim-state-dir", str(backend.state.root), "--gpu", "1", "--xid", "48"],
+        [CLI, "sim-event", "--sim-state-dir", str(backend.root.root), "--gpu", "1", "--xid", "48"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -140,23 +179,35 @@ def test_injected_events(backend: SimulatedBackend) -> None:
     assert (event.gpu_index, event.kind, event.xid) == (1, EventKind.XID, 48)
     assert backend.wait_events(0.1) == []
 
-    backend.state.post_event(0, EventKind.LOST)
+    post_event(backend.root.root, 0, "lost")
     assert [e.kind for e in backend.wait_events(2.0)] == [EventKind.LOST]
     with pytest.raises(GpuLostError):
         backend.process_samples(0, 0)
-    backend.state.post_event(0, EventKind.RECOVERED)
-    backend.wait_events(2.0)
+    post_event(backend.root.root, 0, "recovered")
+    assert [e.kind for e in backend.wait_events(2.0)] == [EventKind.RECOVERED]
     assert backend.process_samples(0, 0) == []
 
 
-def test_second_node_on_the_same_state_dir_is_refused(backend: SimulatedBackend) -> None:
-    # The claim is per process: a live agent pid other than ours owns the dir.
-    holder = subprocess.Popen(["sleep", "30"])
+def test_a_second_agent_on_one_node_is_refused(backend: SimulatedBackend) -> None:
+    with pytest.raises(SimulationError, match="another agent uses the simulated node"):
+        SimulatedBackend("2xH100-80GB", "test-node", backend.root.root)
+
+
+def test_an_agent_restart_attaches_to_the_running_gpus(short_dir: Path) -> None:
+    server = subprocess.Popen(
+        [CLI, "sim-gpu", "--simulate", "1xH100-80GB", "--node-name", "n1", "--sim-state-dir", str(short_dir)]
+    )
     try:
-        node = backend.state.read_node()
-        backend.state.write_node(type(node)(node.node_name, holder.pid, node.gpus))
-        with pytest.raises(SimulationError, match="another simulated node"):
-            SimulatedBackend("1xT4-16GB", "other", backend.state.root)
+        deadline = time.monotonic() + 20
+        while not (short_dir / "gpu.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(2):  # an agent, then its restart: the same server both times
+            sim = SimulatedBackend("1xH100-80GB", "n1", short_dir)
+            assert sim.node.server_pid == server.pid
+            sim.close()
+        assert server.poll() is None
+        with pytest.raises(SimulationError, match="is 1xH100-80GB named n1"):
+            SimulatedBackend("2xH100-80GB", "n1", short_dir)
     finally:
-        holder.kill()
-        holder.wait()
+        server.terminate()
+        assert server.wait(timeout=10) == 0

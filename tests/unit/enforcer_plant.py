@@ -1,140 +1,95 @@
-"""A model GPU for driving the enforcer in virtual time.
-
-Each container has one process with a demand ``b`` (the share of the GPU it uses when it
-runs alone and unfrozen). Thawed containers share the GPU: when their demands add up to
-more than 1 each gets its demand scaled down. Utilization is integrated exactly between
-events (freeze, thaw, sampling), and samples are reported like NVML's: per process,
-timestamped, optionally delivered ``lag_s`` late.
-"""
+"""The enforcer's loop against simulated GPUs in virtual time (agent.emulators.virtualgpu)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
 
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
-from agent.platform.cgroups.paths import ContainerRef
-from agent.platform.gpu.inventory import ProcessSample
+from agent.control.enforcer import ContainerControl, Enforcer
+from agent.domain.annotations import Policy
+from agent.domain.dutycontrol import Gains
+from agent.domain.specs import EnforcementSpec
+from agent.emulators.virtualgpu import VirtualGpuNode
+from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
+
+PERIOD = 0.25
 
 
-@dataclass
-class ModelContainer:
-    ref: ContainerRef
-    pid: int
-    demand: float
-    frozen: bool = False
-    busy_s: float = 0.0  # integrated GPU time
-    freeze_log: list[tuple[float, bool]] = field(default_factory=list)
+def spec(
+    name: str,
+    cores: int,
+    policy: Policy = Policy.FIXED_SHARE,
+    cap: int | None = None,
+    limit_set: bool = False,
+) -> EnforcementSpec:
+    whole = cores >= 100
+    return EnforcementSpec(
+        pod_uid=f"uid-{name}",
+        namespace="default",
+        pod=name,
+        container="c",
+        container_id=f"cid-{name}",
+        runtime="containerd",
+        qos_class="Burstable",
+        gpus=(0,),
+        cores=cores,
+        cap=None if whole else (cap if cap is not None else cores),
+        memory_quota_mib=None if whole else 1024,
+        policy=policy,
+        limit_set=limit_set,
+    )
 
 
-class ModelGpu:
-    """One GPU (index 0); also the actuator (freezes act on the model)."""
+class Rig:
+    """One simulated GPU, its containers' programs and an enforcer, all in virtual time."""
 
-    name = "model"
+    def __init__(self, config: EngineConfig | None = None, gains: Gains | None = None) -> None:
+        self.clock = VirtualClock()
+        self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
+        self.specs: list[EnforcementSpec] = []
+        self.stats: dict[str, WorkloadStats] = {}
+        self.enforcer = Enforcer(
+            gpus=[0],
+            samples=self.gpu,
+            specs=lambda: self.specs,
+            owner_of=self.gpu.owner_of,
+            locate=lambda s: ThrottleTarget(s.container_id, None, None),
+            actuator=self.gpu,
+            period_s=PERIOD,
+            gains=gains,
+            clock=self.clock,
+        )
+        self.start = self.clock.monotonic()
+        self._times: list[float] = []
+        self._ran: list[dict[str, float]] = []
 
-    def __init__(self, clock: VirtualClock, tick_s: float = 0.2, lag_s: float = 0.0) -> None:
-        self.clock = clock
-        self.tick_s = tick_s
-        self.lag_s = lag_s
-        self.containers: dict[str, ModelContainer] = {}
-        self._last = clock.monotonic()
-        self._last_tick = clock.monotonic()
-        self._tick_busy: dict[int, float] = {}
-        self._pending: list[ProcessSample] = []
-        self.history: list[tuple[float, dict[str, float]]] = []  # (time, util per container) per tick
+    def add(self, name: str, pattern: PatternSpec, item: EnforcementSpec) -> None:
+        self.stats[name] = WorkloadStats()
+        self.gpu.add(name, 0, pattern_program(pattern, self.stats[name]))
+        self.specs.append(item)
 
-    def add(self, name: str, pid: int, demand: float) -> ContainerRef:
-        ref = ContainerRef(f"uid-{name}", f"cid-{name}")
-        self.advance()
-        self.containers[name] = ModelContainer(ref, pid, demand)
-        return ref
+    def run_for(self, seconds: float) -> None:
+        end = self.clock.monotonic() + seconds
+        while self.clock.monotonic() < end - 1e-9:
+            self.enforcer.period()
+            remaining = PERIOD - (self.clock.monotonic() - self.start) % PERIOD
+            self.clock.sleep(remaining)
+            self._record()
 
-    def set_demand(self, name: str, demand: float) -> None:
-        self.advance()
-        self.containers[name].demand = demand
+    def _record(self) -> None:
+        self._times.append(self.clock.monotonic() - self.start)
+        self._ran.append({name: self.gpu.gpu_seconds(name) for name in self.gpu.containers})
 
-    def advance(self) -> None:
-        now = self.clock.monotonic()
-        while self._last_tick + self.tick_s <= now:
-            self._integrate(self._last_tick + self.tick_s)
-            self._emit_tick()
-        self._integrate(now)
+    def mean(self, name: str, after_s: float, seconds: float) -> float:
+        """The container's real use (percent of the GPU) over [after_s, after_s + seconds]."""
 
-    def _integrate(self, until: float) -> None:
-        dt = until - self._last
-        if dt <= 0:
-            return
-        running = [c for c in self.containers.values() if not c.frozen]
-        total = sum(c.demand for c in running)
-        scale = 1.0 if total <= 1 else 1.0 / total
-        for c in running:
-            c.busy_s += c.demand * scale * dt
-            self._tick_busy[c.pid] = self._tick_busy.get(c.pid, 0.0) + c.demand * scale * dt
-        self._last = until
+        def ran_at(t: float) -> float:
+            i = min(bisect.bisect_left(self._times, t - 1e-9), len(self._times) - 1)
+            return self._ran[i].get(name, 0.0)
 
-    def _emit_tick(self) -> None:
-        self._last_tick += self.tick_s
-        stamp = int(self._last_tick * 1_000_000)
-        utils = {}
-        for name, c in self.containers.items():
-            util = 100 * self._tick_busy.get(c.pid, 0.0) / self.tick_s
-            utils[name] = util
-            if util > 0:  # NVML reports only processes that were active
-                self._pending.append(ProcessSample(c.pid, stamp, round(util)))
-        self.history.append((self._last_tick, utils))
-        self._tick_busy = {}
+        return 100 * (ran_at(after_s + seconds) - ran_at(after_s)) / seconds
 
-    # SampleSource
-    def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
-        self.advance()
-        cutoff = int((self.clock.monotonic() - self.lag_s) * 1_000_000)
-        ready = [s for s in self._pending if s.timestamp_us <= cutoff and s.timestamp_us > since_us]
-        self._pending = [s for s in self._pending if s.timestamp_us > cutoff]
-        return ready
-
-    def device_utilization(self, index: int) -> int:
-        self.advance()
-        if not self.history:
-            return 0
-        return round(sum(self.history[-1][1].values()))
-
-    def owner_of(self, pid: int) -> ContainerRef | None:
-        return next((c.ref for c in self.containers.values() if c.pid == pid), None)
-
-    # Actuator
-    def _container(self, target: ThrottleTarget) -> ModelContainer:
-        return next(c for c in self.containers.values() if c.ref.container_id == target.key)
-
-    def freeze(self, target: ThrottleTarget) -> None:
-        self.advance()
-        c = self._container(target)
-        c.frozen = True
-        c.freeze_log.append((self.clock.monotonic(), True))
-
-    def thaw(self, target: ThrottleTarget) -> None:
-        self.advance()
-        c = self._container(target)
-        c.frozen = False
-        c.freeze_log.append((self.clock.monotonic(), False))
-
-    def release(self, target: ThrottleTarget) -> None:
-        self.thaw(target)
-
-    def release_all(self) -> None:
-        self.advance()
-        for c in self.containers.values():
-            c.frozen = False
-
-    # Reading
-    def mean_util(self, name: str, start: float, end: float) -> float:
-        values = [u[name] for t, u in self.history if start < t <= end and name in u]
-        return sum(values) / len(values) if values else 0.0
-
-    def longest_freeze(self, name: str) -> float:
-        longest, since = 0.0, None
-        for t, frozen in self.containers[name].freeze_log:
-            if frozen and since is None:
-                since = t
-            elif not frozen and since is not None:
-                longest, since = max(longest, t - since), None
-        return longest
+    def control(self, name: str) -> ContainerControl:
+        return next(c for c in self.enforcer.controls() if c.spec.pod == name)

@@ -24,8 +24,8 @@ from agent.domain.nodeinventory import (
     schedulable_mib,
 )
 from agent.platform.gpu.inventory import GpuInfo, Link, TopologyLevel
-from agent.platform.gpu.sim.spec import parse_simulate_spec
 from agent.platform.gpu.sim.inventory import sim_numa_nodes, sim_topology
+from agent.platform.gpu.sim.spec import parse_simulate_spec
 
 HEARTBEAT = 1_735_787_045.0  # 2025-01-02T03:04:05Z
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")

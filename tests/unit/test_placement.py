@@ -11,8 +11,8 @@ from agent.domain.ids import decode, encode, ids_for_gpu
 from agent.domain.placement import preferred_allocation
 from agent.errors import AllocationError, DeviceIdError, InsufficientCapacityError
 from agent.platform.gpu.inventory import GpuInfo, Link, Topology, TopologyLevel
-from agent.platform.gpu.sim.spec import parse_simulate_spec
 from agent.platform.gpu.sim.inventory import sim_topology
+from agent.platform.gpu.sim.spec import parse_simulate_spec
 
 
 def make_gpus(count: int) -> list[GpuInfo]:

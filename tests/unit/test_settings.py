@@ -95,7 +95,6 @@ def test_run_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.metrics.enabled is True
     assert s.health.ignored_xids == DEFAULT_IGNORED_XIDS
     assert s.simulation.spec is None
-    assert s.simulation.cores is None
 
 
 def test_run_options(tmp_path: Path) -> None:
@@ -106,7 +105,6 @@ def test_run_options(tmp_path: Path) -> None:
         f"--config={tmp_path / 'c.json'}",
         "--simulate=2xH100-80GB",
         f"--sim-state-dir={tmp_path}",
-        "--sim-cores=3,1",
         "--device-plugin-dir=/tmp/dp",
         "--device-list-strategy=cdi",
         "--driver-root=/run/nvidia/driver",
@@ -124,7 +122,6 @@ def test_run_options(tmp_path: Path) -> None:
     assert s.config_file == tmp_path / "c.json"
     assert s.simulation.spec == "2xH100-80GB"
     assert s.simulation.state_dir == tmp_path
-    assert s.simulation.cores == (1, 3)
     assert s.plugin.socket_path == Path("/tmp/dp/vcuda-core.sock")
     assert s.plugin.device_list_strategy is DeviceListStrategy.CDI
     assert s.plugin.driver_root == Path("/run/nvidia/driver")
@@ -141,12 +138,12 @@ def test_node_name_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_bad_value_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as info:
-        settings("--metrics-address=nohost", "--ignored-xids=79,x", "--sim-cores=one")
+        settings("--metrics-address=nohost", "--ignored-xids=79,x", "--control-max-cycle=60")
     problems = info.value.problems
     assert len(problems) == 3
     assert any("--metrics-address" in p and "nohost" in p for p in problems)
     assert any("--ignored-xids" in p and "x" in p for p in problems)
-    assert any("--sim-cores" in p and "one" in p for p in problems)
+    assert any("--control-max-cycle" in p and "60" in p for p in problems)
 
 
 def test_bad_strategy_is_rejected_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,8 +6,8 @@ import pytest
 
 from agent.errors import InvalidSpecError
 from agent.platform.gpu.inventory import TopologyLevel
-from agent.platform.gpu.sim.spec import MAX_GPUS, SimGpuModel, parse_simulate_spec
 from agent.platform.gpu.sim.inventory import sim_topology
+from agent.platform.gpu.sim.spec import MAX_GPUS, SimGpuModel, parse_simulate_spec
 
 EXAMPLE = "COUNTxMODEL-MEMORYGB"
 

@@ -189,21 +189,36 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.period_s,
         metavar="S",
-        help=f"duty-cycle period in seconds (default {defaults.period_s})",
+        help=f"control period in seconds: measure, set duties, act (default {defaults.period_s})",
     )
     g.add_argument(
         "--control-window",
         type=float,
         default=defaults.window_s,
         metavar="S",
-        help=f"utilization is averaged over this many seconds of samples (default {defaults.window_s})",
+        help="a container is measured over at least this many seconds of samples "
+        f"(default {defaults.window_s})",
     )
     g.add_argument(
         "--control-gain",
         type=float,
         default=defaults.gain,
         metavar="G",
-        help=f"integral gain, duty change per period per 100 pp of error (default {defaults.gain})",
+        help=f"share of an error within 10 pp one duty update corrects (default {defaults.gain})",
+    )
+    g.add_argument(
+        "--control-max-cycle",
+        type=float,
+        default=defaults.max_cycle_s,
+        metavar="S",
+        help=f"longest duty cycle, for work that drains long after a freeze (default {defaults.max_cycle_s})",
+    )
+    g.add_argument(
+        "--control-idle-hold",
+        type=float,
+        default=defaults.idle_hold_s,
+        metavar="S",
+        help=f"an idle throttled container keeps its duty this long (default {defaults.idle_hold_s})",
     )
     g.add_argument(
         "--actuator",

@@ -94,7 +94,9 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
     for flag, value, low, high in (
         ("--control-period", args.control_period, 0.02, 10.0),
         ("--control-window", args.control_window, 0.1, 60.0),
-        ("--control-gain", args.control_gain, 0.01, 2.0),
+        ("--control-gain", args.control_gain, 0.05, 1.0),
+        ("--control-max-cycle", args.control_max_cycle, 0.1, 10.0),
+        ("--control-idle-hold", args.control_idle_hold, 0.0, 300.0),
     ):
         if not low <= value <= high:
             problems.append(f"{flag} {value}: must be between {low} and {high}")
@@ -107,6 +109,8 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
         period_s=args.control_period,
         window_s=args.control_window,
         gain=args.control_gain,
+        max_cycle_s=args.control_max_cycle,
+        idle_hold_s=args.control_idle_hold,
         actuator=ActuatorMode(args.actuator),
         memory_mode=MemoryQuotaMode(args.memory_quota_mode),
         state_dir=Path(args.state_dir),

@@ -108,6 +108,7 @@ def workload_main(args: argparse.Namespace) -> int:
         kernel_ms=args.kernel_ms,
         busy=args.busy,
         rate=args.rate,
+        clients=args.clients,
         sync_every=args.sync_every,
         on_s=args.on,
         off_s=args.off,
@@ -230,6 +231,12 @@ def add_parsers(
         "--kernel-ms", type=float, help="GPU milliseconds per kernel (default 2; burn 20; graph 1)"
     )
     p.add_argument("--rate", type=float, default=30.0, help="infer: requests per second (default 30)")
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="infer: 0 open loop (default); N closed-loop clients, each waiting for its answer",
+    )
     p.add_argument(
         "--sync-every", type=int, help="burn: launches per sync, 0 never (default); graph: graphs per sync"
     )

@@ -30,4 +30,7 @@ class BlockedCall:
         if self.sync:
             return ctx.queued
         depth = engine.config.queue_depth
-        return max(1, min(ctx.queued, ctx.queued + min(self.left, depth) - depth))
+        # Room for a chunk, not for all that is left: a launch larger than the queue tops it
+        # up as it drains, as the driver does, instead of waiting for it to empty.
+        chunk = min(self.left, max(1, depth // 16))
+        return max(1, min(ctx.queued, ctx.queued + chunk - depth))

@@ -18,8 +18,9 @@ Patterns (``PatternSpec``):
 
 - ``train``: steps of ``kernels`` kernels then a sync; with ``busy`` < 1 the host works
   between steps so the steps keep an otherwise idle GPU busy ``busy`` of the time;
-- ``infer``: requests arriving at ``rate`` per second (Poisson, seeded), each ``kernels``
-  kernels and a sync, served in order; request latency (arrival to sync) is recorded;
+- ``infer``: requests arriving at ``rate`` per second (Poisson, seeded; or from
+  ``clients`` closed-loop clients), each ``kernels`` kernels and a sync, served in order;
+  request latency (arrival to sync) is recorded;
 - ``burn``: gpu_burn-like: batches of long kernels into a queue kept full, a sync only
   every ``sync_every`` launches (0: never);
 - ``graph``: graph launches of ``kernels`` kernels, a sync every ``sync_every`` graphs;
@@ -28,6 +29,7 @@ Patterns (``PatternSpec``):
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import deque
 from collections.abc import Generator
@@ -89,6 +91,7 @@ class PatternSpec:
     kernel_ms: float | None = None
     busy: float = 1.0  # train, bursty
     rate: float = 30.0  # infer: requests per second
+    clients: int = 0  # infer: 0 open loop (arrivals at rate); N: N clients, each waiting for its answer
     sync_every: int | None = None  # burn: launches per sync (0: never); graph: graphs per sync
     on_s: float = 3.0  # bursty
     off_s: float = 3.0  # bursty
@@ -119,6 +122,8 @@ class PatternSpec:
             found.append(f"--busy must be between 0 and 1, got {self.busy}")
         if not 0 < self.rate <= 100_000:
             found.append(f"--rate must be > 0 and <= 100000 requests/s, got {self.rate}")
+        if not 0 <= self.clients <= 10_000:
+            found.append(f"--clients must be 0..10000, got {self.clients}")
         if self.sync_every is not None and self.sync_every < 0:
             found.append(f"--sync-every must be >= 0, got {self.sync_every}")
         if self.on_s <= 0 or self.off_s < 0:
@@ -190,17 +195,28 @@ def _train(spec: PatternSpec, stats: WorkloadStats) -> Program:
 
 
 def _infer(spec: PatternSpec, stats: WorkloadStats) -> Program:
+    """Open loop: Poisson arrivals at ``rate``, whatever the latency (an overloaded server's
+    backlog grows). Closed loop (``clients``): each client waits for its answer, then thinks
+    for an exponential time of mean ``clients / rate``, so the offered load is ``rate``
+    while answers are quick and falls when they are slow (latency stays bounded)."""
     rng = random.Random(spec.seed)
     k, kernel = spec.n_kernels, spec.kernel_s
     now = yield Sleep(0.0)
-    arrival = now + rng.expovariate(spec.rate)
+    arrivals: list[float] = []  # a heap of future arrivals
+    if spec.clients:
+        for _ in range(spec.clients):
+            heapq.heappush(arrivals, now + rng.expovariate(spec.rate / spec.clients))
+    else:
+        arrivals.append(now + rng.expovariate(spec.rate))
     backlog: deque[float] = deque()
     while True:
-        while arrival <= now:
-            backlog.append(arrival)
-            arrival += rng.expovariate(spec.rate)
+        while arrivals and arrivals[0] <= now:
+            came = heapq.heappop(arrivals)
+            backlog.append(came)
+            if not spec.clients:
+                heapq.heappush(arrivals, came + rng.expovariate(spec.rate))
         if not backlog:
-            now = yield Sleep(arrival - now)
+            now = yield Sleep(arrivals[0] - now)
             continue
         came = backlog.popleft()
         yield Launch(k, kernel)
@@ -208,6 +224,8 @@ def _infer(spec: PatternSpec, stats: WorkloadStats) -> Program:
         now = yield Sync()
         stats.syncs += 1
         stats.record(now - came)
+        if spec.clients:
+            heapq.heappush(arrivals, now + rng.expovariate(spec.rate / spec.clients))
 
 
 def _burn(spec: PatternSpec, stats: WorkloadStats) -> Program:

@@ -1,0 +1,113 @@
+"""``bench/enforcement.py --model``: one scenario in virtual time, in this process.
+
+The GPU engine and the workloads' programs (``agent.emulators.virtualgpu``) with the
+agent's own ``Enforcer`` on a ``VirtualClock``: every control period runs as the agent runs
+it (measure from NVML-style samples, set duties, thaw and freeze at the cycle's edges), and
+the engine executes what each program queued, frozen or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from agent.clock import VirtualClock
+from agent.control.actuators import ThrottleTarget
+from agent.control.enforcer import Enforcer
+from agent.domain.annotations import Policy
+from agent.domain.specs import EnforcementSpec
+from agent.emulators.virtualgpu import VirtualGpuNode
+from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
+
+PERIOD_S = 0.25
+
+
+@dataclass(frozen=True)
+class Box:
+    """One container of a scenario."""
+
+    name: str
+    cores: int
+    policy: str
+
+
+@dataclass
+class Run:
+    """What one scenario measured: per container, its use per window and its report."""
+
+    windows: list[list[float]]  # percent of the GPU, per window
+    starts: list[float]  # the windows' start times (the phases' clock)
+    reports: list[dict[str, object]] = field(default_factory=list)
+
+
+def box_spec(box: Box) -> EnforcementSpec:
+    return EnforcementSpec(
+        pod_uid=f"uid-{box.name}",
+        namespace="default",
+        pod=f"pod-{box.name}",
+        container="c",
+        container_id=f"cid-{box.name}",
+        runtime="containerd",
+        qos_class="Burstable",
+        gpus=(0,),
+        cores=box.cores,
+        cap=box.cores,
+        memory_quota_mib=1024,
+        policy=Policy(box.policy),
+        limit_set=False,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        timeslice_s=args.timeslice_ms / 1000,
+        sample_delay_s=args.sample_delay,
+        sample_jitter_s=args.sample_jitter,
+        seed=args.seed,
+    )
+    if args.sample_period is not None:
+        config = EngineConfig(**{**config.__dict__, "sample_period_s": args.sample_period})
+    return config
+
+
+def run_model(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, window_s: float) -> Run:
+    clock = VirtualClock()
+    gpu = VirtualGpuNode(clock, [engine_config(args)])
+    specs = [box_spec(b) for b in boxes]
+    enforcer = Enforcer(
+        gpus=[0],
+        samples=gpu,
+        specs=lambda: specs,
+        owner_of=gpu.owner_of,
+        locate=lambda s: ThrottleTarget(s.container_id, None, None),
+        actuator=gpu,
+        period_s=PERIOD_S,
+        clock=clock,
+    )
+    stats = [WorkloadStats() for _ in boxes]
+    for box, box_stats in zip(boxes, stats, strict=True):
+        gpu.add(box.name, 0, pattern_program(spec, box_stats))
+    start = clock.monotonic()
+    windows: list[list[float]] = [[] for _ in boxes]
+    starts: list[float] = []
+    last = [0.0] * len(boxes)
+    periods_per_window = round(window_s / PERIOD_S)
+    index = 0
+    while clock.monotonic() - start < args.seconds - 1e-9:
+        window_start = clock.monotonic()
+        for _ in range(periods_per_window):
+            enforcer.period()
+            index += 1
+            clock.sleep(start + index * PERIOD_S - clock.monotonic())
+        ran = [gpu.gpu_seconds(b.name) for b in boxes]
+        for i in range(len(boxes)):
+            windows[i].append(100 * (ran[i] - last[i]) / (clock.monotonic() - window_start))
+        starts.append(window_start)
+        last = ran
+    enforcer.release_all()
+    reports: list[dict[str, object]] = []
+    for box_stats in stats:
+        p99 = box_stats.latency(0.99)
+        reports.append({"phases": box_stats.phases, "latency_p99_ms": None if p99 is None else p99 * 1000})
+    return Run(windows, starts, reports)
