@@ -11,6 +11,8 @@ from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine
 from agent.platform.gpu.sim.programs import (
     BURN_BATCH,
     Alloc,
+    Launch,
+    Op,
     PatternSpec,
     Program,
     Sleep,
@@ -113,6 +115,44 @@ def test_infer_latency_doubles_when_it_shares_the_gpu_with_burn() -> None:
     used = gpu_time(node.engines[0], 50.0, infer.pid)
     assert used == pytest.approx(stats.requests * 0.008, abs=0.008 + TOL)  # at most one in flight
     assert gpu_time(node.engines[0], 50.0, burn.pid) == pytest.approx(50.0 - used, abs=TOL)
+
+
+def test_closed_loop_clients_saturate_the_gpu_with_bounded_latency() -> None:
+    """4 clients asking far more than the GPU serves: it is always busy, and a request waits
+    behind at most the other three (4 x 8 ms)."""
+    node, proc, stats = start(PatternSpec("infer", rate=1000.0, clients=4))
+    node.run_until(20.0)
+    assert gpu_time(node.engines[0], 20.0, proc.pid) == pytest.approx(20.0, abs=0.01)
+    assert stats.requests == pytest.approx(20.0 / 0.008, abs=2)
+    p99 = stats.latency(0.99)
+    assert p99 is not None and p99 <= 4 * 0.008 + TOL
+
+
+def test_an_open_loop_past_the_gpu_builds_a_backlog() -> None:
+    """Twice what the GPU serves, arriving whatever the latency: the wait grows with time."""
+    node, _proc, stats = start(PatternSpec("infer", rate=250.0))
+    node.run_until(20.0)
+    early, late = stats.latencies_s[:100], stats.latencies_s[-100:]
+    assert statistics.fmean(late) > 5.0 > statistics.fmean(early)
+
+
+def test_a_launch_larger_than_the_queue_tops_it_up_as_it_drains() -> None:
+    """30000 launches into a queue of 1024: the queue stays nearly full (refilled 64 at a
+    time), so the context never runs dry beside a neighbour (waiting for the queue to
+    empty before refilling it let it drain to nothing each time)."""
+    node = VirtualNode([EngineConfig()])
+    big = node.spawn(0, iter_ops([Launch(30_000, 0.001)]))
+    burn = node.spawn(0, pattern_program(PatternSpec("burn", kernel_ms=1), WorkloadStats()))
+    for t in (0.5, 1.0, 2.0, 10.0):
+        node.run_until(t)
+        assert big.ctx.queued >= 1024 - 64
+    engine = node.engines[0]
+    assert gpu_time(engine, 10.0, big.pid) == pytest.approx(5.0, abs=0.02)
+    assert gpu_time(engine, 10.0, burn.pid) == pytest.approx(5.0, abs=0.02)
+
+
+def iter_ops(ops: list[Op]) -> Program:
+    yield from ops
 
 
 def test_latency_quantiles() -> None:
