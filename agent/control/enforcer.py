@@ -139,10 +139,9 @@ class Enforcer:
         start = self._clock.monotonic() if start is None else start
         work_start = self._clock.monotonic()
         index = self.stats.periods
-        wall = self._clock.wall()
+        wall = self.meter.period_started(index, start)
         for schedule in self._cycles.values():
             schedule.advance(index, wall)
-        self.meter.period_started(index, start)
         self.meter.read()
         self.stats.measure_errors = self.meter.errors
         throttled = self._control(index)

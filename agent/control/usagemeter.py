@@ -25,6 +25,8 @@ from agent.platform.gpu.inventory import ProcessSample
 
 log = logging.getLogger(__name__)
 
+TOL_S = 1e-3  # cycle starts are read from two clocks: equal within this
+
 
 class SampleSource(Protocol):
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]: ...
@@ -67,11 +69,16 @@ class UsageMeter:
         self._starts: collections.deque[tuple[int, float]] = collections.deque(maxlen=periods_kept)
         self._estimates: dict[int, Estimate[str]] = {}
         self._spans: dict[tuple[int, float, float], dict[str, float]] = {}
+        self._period_wall: float | None = None
         self.errors = 0
 
-    def period_started(self, index: int, monotonic_start: float) -> None:
+    def period_started(self, index: int, monotonic_start: float) -> float:
+        """Record period ``index``'s start; returns it in wall time (measurements taken this
+        period are stamped with it, so a cycle starting now counts as after them)."""
         wall = self._clock.wall() - (self._clock.monotonic() - monotonic_start)
         self._starts.append((index, wall))
+        self._period_wall = wall
+        return wall
 
     def read(self) -> None:
         """Take in every GPU's new samples and its device utilization."""
@@ -112,7 +119,7 @@ class UsageMeter:
         starting at periods ``phase`` modulo ``cycles``), all begun after ``since_s`` (when
         that length took effect); None: nothing to measure yet."""
         estimate = self.estimate(gpu)
-        now = self._clock.wall()
+        now = self._clock.wall() if self._period_wall is None else self._period_wall
         window = self._gains.window_for(cycles)
         estimator = self.estimators[gpu]
         if estimate.source == "none" or estimator.newest_us is None:
@@ -126,13 +133,17 @@ class UsageMeter:
             )
         newest = estimator.newest_us / 1_000_000
         floor = float("-inf") if since_s is None else since_s
-        ends = [w for i, w in self._starts if (i - phase) % cycles == 0 and floor <= w - 1e-6 <= newest]
-        begins = [w for w in ends if w <= ends[-1] - window + 1e-6] if ends else []
+        ends = [
+            w for i, w in self._starts if (i - phase) % cycles == 0 and floor - TOL_S <= w <= newest + TOL_S
+        ]
+        begins = [w for w in ends if w <= ends[-1] - window + TOL_S] if ends else []
         if begins:
             span = (gpu, begins[-1], ends[-1])
             if span not in self._spans:
                 self._spans[span] = estimator.usage_between(begins[-1], ends[-1])
-            return Measurement(self._spans[span].get(key, 0.0), begins[-1], ends[-1], now, cycles=cycles)
+            period = estimator.period_us() / 1_000_000
+            used = self._spans[span].get(key, 0.0)
+            return Measurement(used, begins[-1], ends[-1], now, cycles=cycles, sample_period_s=period)
         if since_s is not None:
             return None  # wait for whole cycles of the new length
         by_window = estimator.estimate(now, window) if window != self._gains.window_s else estimate

@@ -57,6 +57,8 @@ DRAIN_SMOOTHING = 0.3  # weight of each new drain estimate
 SENSITIVE_PP = 2.0  # a change of use this large shows it follows the duty
 OVER_PP = 1.0  # over its target by this much, a container must come down
 SLIDE = 0.1  # duty given up without the use moving: the cycle is too short for its work
+MIXED_SHARE = 4  # a sample period over a quarter of the stretch mixes in too much of the past
+CLOCK_TOL_S = 1e-3  # a cycle start and a change read from two clocks: equal within this
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Measurement:
     now_s: float  # when it was taken
     current: bool = False  # from the device's own reading now (idle GPU, stalled samples)
     cycles: int = 1  # the duty cycle (control periods) it was taken under
+    sample_period_s: float = 0.0  # NVML's sample period behind it (0: not from samples)
 
 
 @dataclass
@@ -165,7 +168,7 @@ def next_duty(state: DutyState, measured: Measurement | None, target: float | No
             state.duty, state.idle_since_s = 1.0, None
         return state.duty
     state.idle_since_s = None
-    if measured.start_s < max(state.updated_s, state.idle_end_s) or used <= 0:
+    if measured.start_s < _valid_from(state, measured) or used <= 0:
         # The stretch still shows the use from before the last change of duty, or the idle
         # time before the container came back (it would read as spare share): wait.
         return state.duty
@@ -191,6 +194,17 @@ def next_duty(state: DutyState, measured: Measurement | None, target: float | No
     state.updated_s = now_s
     _update_cycle(state, measured, target, before, gains)
     return state.duty
+
+
+def _valid_from(state: DutyState, measured: Measurement) -> float:
+    """The earliest start of a stretch that shows the current duty: after the last change
+    (or the idle time before the container came back). A sample covers the sample period
+    before its stamp, so the first one after a change still mixes in the time before it:
+    where that period is a large share of the stretch, the stretch must begin a period later."""
+    since = max(state.updated_s, state.idle_end_s)
+    if measured.sample_period_s * MIXED_SHARE > measured.end_s - measured.start_s:
+        since += measured.sample_period_s
+    return since - CLOCK_TOL_S
 
 
 def _holding_idle(state: DutyState, measured: Measurement | None, fresh: bool) -> bool:

@@ -17,7 +17,7 @@ sample covers counts as idle, which it is (the driver reports every process that
 The window is the last ``window_s`` (at least one period) of *sample time*, ending at the
 newest sample, so late samples do not read as idleness and a burst of them lands in the
 periods it belongs to; before that much history exists, the window starts at the first
-sample's period.
+sample's period, and a container is measured from its own first sample's period on.
 
 When the device utilization over the window says the GPU is idle, every container reads 0
 at once (an idle GPU sends no per-process samples, so silence alone proves nothing). When
@@ -74,6 +74,7 @@ class GpuUsageEstimator(Generic[K]):
         self._last_by_pid: dict[int, int] = {}
         self._gaps: collections.deque[int] = collections.deque(maxlen=GAPS_KEPT)
         self._first_us: int | None = None
+        self._first_by_key: dict[K, int] = {}  # each container's first sample
         self._device: collections.deque[tuple[float, float]] = collections.deque()
         self._last_shares: dict[K, float] = {}
         self.newest_us: int | None = None
@@ -96,6 +97,8 @@ class GpuUsageEstimator(Generic[K]):
                 self.newest_us = stamp
             if self._first_us is None or stamp < self._first_us:
                 self._first_us = stamp
+            if key is not None and (key not in self._first_by_key or stamp < self._first_by_key[key]):
+                self._first_by_key[key] = stamp
         self._trim()
 
     def period_us(self) -> int:
@@ -169,8 +172,14 @@ class GpuUsageEstimator(Generic[K]):
             covered = min(stamp, end) - max(stamp - period, start)
             if covered > 0:
                 sums[key] = sums.get(key, 0.0) + util * covered
-        length = end - start
-        return {k: v / length for k, v in sums.items()} if length > 0 else {}
+        # A container whose first sample falls inside the span is measured from then on:
+        # the time before it ran at all is not its idleness.
+        out = {}
+        for k, v in sums.items():
+            length = end - max(start, self._first_by_key.get(k, start) - period)
+            if length > 0:
+                out[k] = v / length
+        return out
 
     def _trim(self) -> None:
         if self.newest_us is None:
@@ -186,3 +195,4 @@ class GpuUsageEstimator(Generic[K]):
 
     def forget(self, key: K) -> None:
         self._last_shares.pop(key, None)
+        self._first_by_key.pop(key, None)

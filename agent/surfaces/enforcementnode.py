@@ -215,6 +215,8 @@ class EnforcementIntegration:
             used_percent=control.used,
             target_percent=control.goal,
             duty=control.state.duty,
+            cycle_s=control.cycle_s if control.throttled else None,
+            drain_s=control.state.drain_s,
             frozen=control.frozen,
             memory_used_mib=memory.get(spec.label),
             memory_quota_mib=spec.memory_quota_mib,

@@ -14,7 +14,8 @@ the Kubernetes objects next to them. An example::
                "containers": [{"namespace": "default", "pod": "p", "container": "c",
                                "policy": "fixed-share", "requestCores": 30, "capPercent": 30,
                                "ceilingPercent": 30, "whole": false, "usedPercent": 29.5,
-                               "targetPercent": 30, "duty": 0.31, "frozen": false,
+                               "targetPercent": 30, "duty": 0.31, "cycleSeconds": 1.0,
+                               "drainSeconds": 0.03, "frozen": false,
                                "memoryUsedMiB": 512, "memoryQuotaMiB": 1024, "throttled": true}]}],
      "recentActions": [{"time": 1763800000.0, "container": "default/p/c",
                         "action": "killed pid 123", "detail": "..."}]}
@@ -26,8 +27,9 @@ Fields:
 - ``agent``: ``pid``; ``uptimeSeconds``; ``backend`` (``nvml`` | ``simulated``);
   ``enforcement`` (``on`` | ``off``: off measures only); ``actuator`` (``freezer`` |
   ``signals`` | ``auto``: what pauses containers); ``memoryMode`` (``kill`` | ``deny`` |
-  ``audit``); ``periodSeconds`` (one duty cycle); ``watchdog`` (``running`` | ``off`` |
-  ``dead``); ``bpf`` (``ok``, ``off`` or why it is unavailable, free text).
+  ``audit``); ``periodSeconds`` (the control period; a duty cycle is 1 to 8 of them);
+  ``watchdog`` (``running`` | ``off`` | ``dead``); ``bpf`` (``ok``, ``off`` or why it is
+  unavailable, free text).
 - ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
   ``utilizationPercent`` (whole GPU, 0..100), ``memoryUsedMiB``, ``memoryTotalMiB``,
   ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``.
@@ -36,7 +38,9 @@ Fields:
   (the cap it is held to); ``ceilingPercent`` (the most it may use when the policy lets it
   borrow idle time); ``whole`` (a whole GPU: never capped); ``usedPercent`` (measured
   over the control window); ``targetPercent`` (what the controller aims at now);
-  ``duty`` (share of each period it runs, 0..1); ``frozen`` (paused right now);
+  ``duty`` (share of each duty cycle it runs, 0..1); ``cycleSeconds`` (its GPU's duty
+  cycle while it is throttled, else null); ``drainSeconds`` (GPU seconds it is seen to run
+  after each freeze, at least; null until measured); ``frozen`` (paused right now);
   ``memoryUsedMiB``; ``memoryQuotaMiB`` (its vcuda-memory); ``throttled`` (the
   controller is holding it below what it would use).
 - ``recentActions[]``, oldest first: ``time`` (Unix seconds), ``container``
@@ -85,6 +89,8 @@ class ContainerStatus(TypedDict):
     usedPercent: float | None
     targetPercent: float | None
     duty: float | None
+    cycleSeconds: float | None
+    drainSeconds: float | None
     frozen: bool
     memoryUsedMiB: int | None
     memoryQuotaMiB: int | None
@@ -163,6 +169,8 @@ def container_status(
     used_percent: float | None = None,
     target_percent: float | None = None,
     duty: float | None = None,
+    cycle_s: float | None = None,
+    drain_s: float | None = None,
     frozen: bool = False,
     memory_used_mib: int | None = None,
     memory_quota_mib: int | None = None,
@@ -170,7 +178,7 @@ def container_status(
 ) -> ContainerStatus:
     """A container on one GPU; for ``whole`` GPUs the control fields are forced to null."""
     if whole:
-        cap_percent = ceiling_percent = target_percent = duty = None
+        cap_percent = ceiling_percent = target_percent = duty = cycle_s = drain_s = None
     return ContainerStatus(
         namespace=namespace,
         pod=pod,
@@ -183,6 +191,8 @@ def container_status(
         usedPercent=None if used_percent is None else round(used_percent, 2),
         targetPercent=None if target_percent is None else round(target_percent, 2),
         duty=None if duty is None else round(duty, 4),
+        cycleSeconds=cycle_s,
+        drainSeconds=None if drain_s is None else round(drain_s, 4),
         frozen=frozen,
         memoryUsedMiB=memory_used_mib,
         memoryQuotaMiB=memory_quota_mib,

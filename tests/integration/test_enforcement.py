@@ -99,6 +99,7 @@ def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
         True,
     )
     assert 0.2 < row["duty"] < 0.6
+    assert row["cycleSeconds"] in (0.25, 0.5, 1.0, 2.0)  # its GPU's duty cycle, 1 to 8 periods
     assert any(
         a["action"] == "throttled" and a["container"] == "default/shown/c" for a in doc["recentActions"]
     )
@@ -111,6 +112,7 @@ def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
 
     mine = 'container="c",gpu="0",namespace="default",node="sim-node",pod="shown"'
     assert 0.2 < sample("vcuda_container_throttle_duty_ratio", mine) < 0.6
+    assert sample("vcuda_container_throttle_cycle_seconds", mine) in (0.25, 0.5, 1.0, 2.0)
     assert 0.3 < sample("vcuda_container_gpu_utilization_ratio", mine) < 0.5
     assert sample("vcuda_container_frozen_seconds_total", mine) > 0.5
     assert sample("vcuda_control_loop_duration_seconds_count", 'node="sim-node"') > 8

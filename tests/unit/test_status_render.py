@@ -115,6 +115,12 @@ def test_table_widths_come_from_content_and_numbers_align_right() -> None:
     ]
 
 
+def test_a_throttled_container_shows_its_gpus_duty_cycle() -> None:
+    throttled = {**shared("p", 30, 31.0, 0.4), "cycleSeconds": 2.0, "throttled": True}
+    assert container_row(throttled)[6:8] == ["0.40", "2.00"]
+    assert container_row(shared("q", 30, 10.0, 1.0))[7] == "-"  # not throttled: no cycle
+
+
 def test_container_columns_line_up_under_their_headers() -> None:
     doc = document()
     lines = container_table(doc["gpus"][0]["containers"])
@@ -136,7 +142,7 @@ def test_container_columns_line_up_under_their_headers() -> None:
 
 def test_whole_gpu_containers_show_dashes_for_cap_target_and_duty() -> None:
     row = container_row(whole("trainer"))
-    assert row == ["ml/trainer/main", "fixed-share", "100", "-", "-", "97%", "-", "no", "40000/81559"]
+    assert row == ["ml/trainer/main", "fixed-share", "100", "-", "-", "97%", "-", "-", "no", "40000/81559"]
     # the renderer does not trust the producer either
     raw: dict[str, Any] = {**whole("x"), "capPercent": 100, "duty": 1.0, "targetPercent": 100}
     assert container_row(raw)[3:7] == ["-", "-", "97%", "-"]

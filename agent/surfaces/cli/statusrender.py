@@ -23,11 +23,12 @@ CONTAINER_HEADERS = (
     "TARGET",
     "USED%",
     "DUTY",
+    "CYCLE s",
     "FROZEN",
     "MEM USED/QUOTA MiB",
 )
 # Numbers right-aligned so their digits line up; names left-aligned.
-CONTAINER_ALIGN = "<<>>>>><>"
+CONTAINER_ALIGN = "<<>>>>>><>"
 ACTION_HEADERS = ("TIME", "CONTAINER", "ACTION", "DETAIL")
 
 
@@ -90,6 +91,7 @@ def container_row(c: Mapping[str, Any]) -> list[str]:
         DASH if whole else _percent(c.get("targetPercent")),
         _percent(c.get("usedPercent")),
         DASH if whole else _number(c.get("duty"), 2, fixed=True),
+        DASH if c.get("cycleSeconds") is None else _number(c.get("cycleSeconds"), 2, fixed=True),
         _yes_no(c.get("frozen")),
         f"{_number(c.get('memoryUsedMiB'))}/{_number(c.get('memoryQuotaMiB'))}",
     ]

@@ -59,7 +59,12 @@ class EnforcementCollector(Collector):
         )
         duty = GaugeMetricFamily(
             "vcuda_container_throttle_duty_ratio",
-            "Share of each control period the container runs (1: not throttled)",
+            "Share of each duty cycle the container runs (1: not throttled)",
+            labels=CONTAINER_LABELS,
+        )
+        cycle = GaugeMetricFamily(
+            "vcuda_container_throttle_cycle_seconds",
+            "Length of the duty cycle of the container's GPU while it is throttled (absent: not throttled)",
             labels=CONTAINER_LABELS,
         )
         target = GaugeMetricFamily(
@@ -83,6 +88,7 @@ class EnforcementCollector(Collector):
             labels=CONTAINER_LABELS,
         )
         add_util, add_duty, add_target = adder(util), adder(duty), adder(target)
+        add_cycle = adder(cycle)
         add_frozen, add_actions, add_mem = adder(frozen), adder(actions), adder(mem)
         node = self._node
         for control in self._enforcement.enforcer.controls():
@@ -92,12 +98,14 @@ class EnforcementCollector(Collector):
             add_duty(labels, control.state.duty)
             if control.goal is not None:
                 add_target(labels, control.goal / 100)
+            if control.throttled:
+                add_cycle(labels, control.cycle_s)
             add_frozen(labels, control.frozen_s)
             add_actions(labels, float(control.freezes))
             used_mib = memory.get(spec.label)
             if used_mib is not None:
                 add_mem(labels, float(used_mib * MIB))
-        yield from (util, duty, target, frozen, actions, mem)
+        yield from (util, duty, cycle, target, frozen, actions, mem)
         quota = CounterMetricFamily(
             "vcuda_memory_quota_actions",
             "What the memory guard did about containers over their vcuda-memory",
