@@ -1,39 +1,58 @@
 """What the compute-cap controller costs: 8 GPUs x 16 containers at the default period.
 
-A synthetic sample source reports every container busy above its cap (6 % of a GPU each),
-so all 128 are throttled every period: the worst case, two actuator calls per container
-per period. The enforcer's loop runs in this process for ``--seconds``; its CPU time is
-read with ``time.process_time()``. Side by side in one run:
+Every container is kept busy above its cap (6 % of a GPU each), so all 128 are throttled
+every period: the worst case, two actuator calls per container per period. The enforcer's
+loop runs in this process for ``--seconds``; its CPU time is read with
+``time.process_time()``. Side by side in one run:
 
-- ``recording``: the controller alone (the actuator only records calls);
-- ``freezer``: the real freezer on 128 real, empty cgroup v2 directories (root only).
+- ``recording``: the controller alone, on a synthetic sample source (the actuator only
+  records calls);
+- ``freezer``: the same, with the real freezer on 128 real, empty cgroup v2 directories;
+- ``engine``: the GPU engine (``vcuda-agent sim-gpu``, its own process) with 128 real
+  ``train`` workloads, each in its cgroup, read through the simulated backend (as the agent
+  reads NVML: batched polls of samples, utilization, memory) and held by the real freezer.
+  This process's CPU is the controller plus its backend reads; the engine's and the
+  workloads' are read from /proc apart (root and cgroup v2 only, as ``freezer``).
 
 RSS is this process's, before and after building the controller for 128 containers.
 
     sudo .venv/bin/python bench/controller_cost.py [--seconds 20]
 
-Last line: ``RESULT controller_cpu_pct=... rss_mb=...`` (the freezer variant's CPU when it
-ran, else the recording one's).
+Last line: ``RESULT controller_cpu_pct=... rss_mb=... engine_cpu_pct=...
+workloads_cpu_pct=...`` (controller: the engine variant's CPU when it ran, else the
+recording one's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import secrets
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from agent.control.actuators import Actuator, FreezerActuator, ThrottleTarget
 from agent.control.enforcer import Enforcer
+from agent.control.usagemeter import SampleSource
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
+from agent.emulators.containers import remove_cgroup_dir
+from agent.emulators.enforcednode import NODE, start_gpu_server, stop_process
+from agent.errors import ProcessGoneError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.freezejournal import FreezeJournal
 from agent.platform.gpu.inventory import ProcessSample
+from agent.platform.gpu.sim.backend import SimulatedBackend
+from agent.platform.procfs import ProcFS
 from agent.settings import EnforcementSettings
 
+HZ = os.sysconf("SC_CLK_TCK")
 GPUS = 8
 PER_GPU = 16
 CAP = 6
@@ -101,15 +120,24 @@ def rss_mb() -> float:
     return 0.0
 
 
-def run(actuator: Actuator, dirs: dict[str, Path] | None, seconds: float) -> tuple[float, int, float]:
+def run(
+    actuator: Actuator,
+    dirs: dict[str, Path] | None,
+    seconds: float,
+    source: SampleSource | None = None,
+    owners: dict[int, ContainerRef] | None = None,
+) -> tuple[float, int, float]:
     """(CPU % of one core, periods, RSS MB added by the controller)."""
-    source = SyntheticSamples()
     specs = [spec(g, i) for g in range(GPUS) for i in range(PER_GPU)]
-    owners = {
-        pid: ContainerRef(f"pod-{g}-{i}", f"c{g}-{i}")
-        for g in range(GPUS)
-        for i, pid in enumerate(source.pids[g])
-    }
+    if source is None:
+        synthetic = SyntheticSamples()
+        source = synthetic
+        owners = {
+            pid: ContainerRef(f"pod-{g}-{i}", f"c{g}-{i}")
+            for g in range(GPUS)
+            for i, pid in enumerate(synthetic.pids[g])
+        }
+    assert owners is not None
 
     def locate(s: EnforcementSpec) -> ThrottleTarget:
         cgroup = dirs[s.container_id] if dirs else None
@@ -138,6 +166,58 @@ def run(actuator: Actuator, dirs: dict[str, Path] | None, seconds: float) -> tup
     return 100 * cpu / wall, enforcer.stats.periods, rss_mb() - before
 
 
+def cpu_ticks(pids: list[int]) -> int:
+    procfs = ProcFS()
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(ProcessGoneError):
+            total += procfs.stat(pid).cpu_ticks
+    return total
+
+
+def run_engine(dirs: dict[str, Path], seconds: float, workdir: Path) -> tuple[float, float, float]:
+    """(controller %, engine %, workloads %) with the GPU engine and 128 real workloads."""
+    sim = workdir / "sim"
+    server = start_gpu_server(f"{GPUS}xH100-80GB", sim, workdir / "gpu.log")
+    workloads: list[subprocess.Popen[bytes]] = []
+    backend: SimulatedBackend | None = None
+    try:
+        owners = {}
+        for g in range(GPUS):
+            for i in range(PER_GPU):
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "agent",
+                    "sim-workload",
+                    "--sim-state-dir",
+                    str(sim),
+                    "--gpu",
+                    str(g),
+                ]
+                procs = dirs[f"c{g}-{i}"] / "cgroup.procs"
+                proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *cmd])
+                workloads.append(proc)
+                owners[proc.pid] = ContainerRef(f"pod-{g}-{i}", f"c{g}-{i}")
+        backend = SimulatedBackend(f"{GPUS}xH100-80GB", NODE, sim)
+        time.sleep(3)  # the workloads open their contexts
+        pids = [p.pid for p in workloads]
+        engine_start, workloads_start, started = cpu_ticks([server.pid]), cpu_ticks(pids), time.monotonic()
+        journal = FreezeJournal(workdir / "state" / "frozen.json")
+        controller, _, _ = run(FreezerActuator(journal), dirs, seconds, backend, owners)
+        elapsed = time.monotonic() - started
+        engine = 100 * (cpu_ticks([server.pid]) - engine_start) / HZ / elapsed
+        busy = 100 * (cpu_ticks(pids) - workloads_start) / HZ / elapsed
+        return controller, engine, busy
+    finally:
+        if backend is not None:
+            backend.close()
+        for proc in workloads:
+            proc.kill()
+            proc.wait()
+        stop_process(server)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,7 +232,7 @@ def main() -> int:
         f"recording actuator: {cpu:.2f} % of one core, {periods} periods, "
         f"{per_container:.1f} actuator calls per container per period, RSS +{added:.1f} MB"
     )
-    result_cpu = cpu
+    result_cpu, extra = cpu, ""
     layout = detect_layout()
     if layout.v2_root is not None:
         root = layout.v2_root / f"vcuda-bench-{secrets.token_hex(4)}"
@@ -166,16 +246,19 @@ def main() -> int:
                 FreezerActuator(FreezeJournal(journal_dir / "frozen.json")), dirs, args.seconds
             )
             print(f"freezer on {len(dirs)} real cgroups: {freezer_cpu:.2f} % of one core, {periods} periods")
-            result_cpu = freezer_cpu
+            controller, engine, busy = run_engine(dirs, args.seconds, journal_dir)
+            print(
+                f"GPU engine with {len(dirs)} train workloads: controller + backend reads "
+                f"{controller:.2f} %, engine {engine:.2f} %, workloads {busy:.2f} % (together) of one core"
+            )
+            result_cpu, extra = controller, f" engine_cpu_pct={engine:.2f} workloads_cpu_pct={busy:.2f}"
         finally:
             for d in dirs.values():
-                d.rmdir()
+                remove_cgroup_dir(d)
             root.rmdir()
-            for f in journal_dir.glob("*"):
-                f.unlink()
-            journal_dir.rmdir()
+            shutil.rmtree(journal_dir, ignore_errors=True)
     print(f"process RSS {rss_mb():.1f} MB (at start {start_rss:.1f} MB)")
-    print(f"RESULT controller_cpu_pct={result_cpu:.2f} rss_mb={rss_mb():.1f}")
+    print(f"RESULT controller_cpu_pct={result_cpu:.2f} rss_mb={rss_mb():.1f}{extra}")
     return 0
 
 

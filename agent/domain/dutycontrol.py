@@ -208,15 +208,15 @@ def _valid_from(state: DutyState, measured: Measurement) -> float:
 
 
 def _holding_idle(state: DutyState, measured: Measurement | None, fresh: bool) -> bool:
-    """A throttled container that is idle keeps its duty through its hold even when its
-    target is the whole GPU meanwhile (a burst-share container whose neighbours went idle
-    with it): when they all come back, they come back held."""
+    """A throttled container that is idle, or back from idle but measured over a stretch
+    that still holds its pause, keeps its duty even when its target is the whole GPU
+    meanwhile (a burst-share container whose neighbours paused with it): when they all come
+    back, they come back held, whichever the late samples show back first."""
     if state.duty >= 1.0:
         return False
-    if fresh:
-        assert measured is not None
-        return measured.used < ACTIVE_PERCENT
-    return state.idle_since_s is not None
+    if measured is None or not fresh:
+        return state.idle_since_s is not None or state.idle_end_s > state.updated_s
+    return measured.used < ACTIVE_PERCENT or measured.start_s < state.idle_end_s
 
 
 def _update_cycle(state: DutyState, measured: Measurement, target: float, duty: float, gains: Gains) -> None:
