@@ -92,10 +92,12 @@ def test_table_names_each_container_with_policy_cap_and_duty(
     lines = out.splitlines()
     assert lines[0].startswith("node n1  backend simulated  enforcement on  actuator freezer  memory kill")
     row = {line.split()[0]: line.split() for line in lines if line.startswith("  ") and "/" in line}
-    assert row["default/infer-7/server"][1:8] == ["fixed-share", "30", "30%", "30%", "29.5%", "0.31", "no"]
-    assert row["batch/etl/worker"][1:8] == ["burstable", "50", "50%", "75%", "71.2%", "0.77", "yes"]
-    assert row["batch/etl/worker"][8] == "300/-"
-    assert row["ml/trainer-0/main"][1:9] == ["fixed-share", "100", "-", "-", "97%", "-", "no", "40000/81559"]
+    infer = ["fixed-share", "30", "30%", "30%", "29.5%", "0.31", "1.00", "no"]
+    assert row["default/infer-7/server"][1:9] == infer
+    assert row["batch/etl/worker"][1:9] == ["burstable", "50", "50%", "75%", "71.2%", "0.77", "-", "yes"]
+    assert row["batch/etl/worker"][9] == "300/-"
+    trainer = ["fixed-share", "100", "-", "-", "97%", "-", "-", "no", "40000/81559"]
+    assert row["ml/trainer-0/main"][1:10] == trainer
     assert "killed pid 123" in out
 
 
