@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import subprocess
@@ -182,7 +183,13 @@ class SimulatedBackend:
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
         self._refresh(index)
         with self._lock:
-            return [s for s in self._samples[index] if s.timestamp_us > since_us]
+            # Kept in timestamp order (the server releases periods in order): only the new
+            # tail is read, not the whole history, at every call.
+            newer = list(
+                itertools.takewhile(lambda s: s.timestamp_us > since_us, reversed(self._samples[index]))
+            )
+        newer.reverse()
+        return newer
 
     def process_memory(self, index: int) -> list[ProcessMemory]:
         self._refresh(index)
