@@ -140,6 +140,7 @@ def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float,
         for i in range(len(boxes))
     ]
     want = [expected(boxes, demand, [on[i][w] for i in range(len(boxes))]) for w in range(n)]
+    active = [tuple(on[j][w] > 0 for j in range(len(boxes))) for w in range(n)]  # who is on, per window
     skip = int(settle / WINDOW_S)
     rows = []
     for i, box in enumerate(boxes):
@@ -149,7 +150,6 @@ def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float,
         mean_used = sum(used) / on_s if on_s else 0.0
         mean_exp = sum(exp) / on_s if on_s else 0.0
         err = mean_used - mean_exp
-        active = [tuple(on[j][w] > 0 for j in range(len(boxes))) for w in range(n)]
         settled = settle_time(run.windows[i][:n], [want[w][i] for w in range(n)], active)
         p99 = run.reports[i].get("latency_p99_ms") if run.reports else None
         p99_ms = float(p99) if isinstance(p99, int | float) else None

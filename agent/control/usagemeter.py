@@ -17,15 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from agent.clock import Clock
-from agent.domain.dutycontrol import Gains, Measurement
+from agent.domain.dutycontrol import CLOCK_TOL_S, Gains, Measurement
 from agent.domain.usage import Estimate, GpuUsageEstimator
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.inventory import ProcessSample
 
 log = logging.getLogger(__name__)
-
-TOL_S = 1e-3  # cycle starts are read from two clocks: equal within this
 
 
 class SampleSource(Protocol):
@@ -69,7 +67,6 @@ class UsageMeter:
         self._starts: collections.deque[tuple[int, float]] = collections.deque(maxlen=periods_kept)
         self._estimates: dict[int, Estimate[str]] = {}
         self._spans: dict[tuple[int, float, float], dict[str, float]] = {}
-        self._period_wall: float | None = None
         self.errors = 0
 
     def period_started(self, index: int, monotonic_start: float) -> float:
@@ -77,7 +74,6 @@ class UsageMeter:
         period are stamped with it, so a cycle starting now counts as after them)."""
         wall = self._clock.wall() - (self._clock.monotonic() - monotonic_start)
         self._starts.append((index, wall))
-        self._period_wall = wall
         return wall
 
     def read(self) -> None:
@@ -119,7 +115,7 @@ class UsageMeter:
         starting at periods ``phase`` modulo ``cycles``), all begun after ``since_s`` (when
         that length took effect); None: nothing to measure yet."""
         estimate = self.estimate(gpu)
-        now = self._clock.wall() if self._period_wall is None else self._period_wall
+        now = self._starts[-1][1] if self._starts else self._clock.wall()  # this period's start
         window = self._gains.window_for(cycles)
         estimator = self.estimators[gpu]
         if estimate.source == "none" or estimator.newest_us is None:
@@ -134,9 +130,11 @@ class UsageMeter:
         newest = estimator.newest_us / 1_000_000
         floor = float("-inf") if since_s is None else since_s
         ends = [
-            w for i, w in self._starts if (i - phase) % cycles == 0 and floor - TOL_S <= w <= newest + TOL_S
+            w
+            for i, w in self._starts
+            if (i - phase) % cycles == 0 and floor - CLOCK_TOL_S <= w <= newest + CLOCK_TOL_S
         ]
-        begins = [w for w in ends if w <= ends[-1] - window + TOL_S] if ends else []
+        begins = [w for w in ends if w <= ends[-1] - window + CLOCK_TOL_S] if ends else []
         if begins:
             span = (gpu, begins[-1], ends[-1])
             if span not in self._spans:

@@ -68,11 +68,6 @@ class VirtualGpuNode:
         self._by_pid[container.process.pid] = container
         return ref
 
-    def remove(self, name: str) -> None:
-        self.sync()
-        container = self.containers.pop(name)
-        self.node.kill(container.process)
-
     # NVML's view (the enforcer's SampleSource) ---------------------------------------------
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
         self.sync()  # the programs first: an engine run ahead alone would idle past their wake-ups

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from agent.domain.annotations import Policy
+from agent.domain.specs import EnforcementSpec
 from agent.errors import PlatformError
 from agent.platform.gpu.sim.engine import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec
@@ -85,9 +86,8 @@ def test_burst_share_with_a_limit_bursts_only_to_it() -> None:
 @pytest.mark.parametrize(
     "item", [spec("a", 30, Policy.BEST_EFFORT), spec("a", 100)], ids=["best-effort", "whole-gpu"]
 )
-def test_best_effort_and_whole_gpus_are_never_frozen(item: object) -> None:
+def test_best_effort_and_whole_gpus_are_never_frozen(item: EnforcementSpec) -> None:
     rig = Rig()
-    assert isinstance(item, type(spec("x", 1)))
     rig.add("a", TRAIN, item)
     rig.run_for(5)
     assert rig.gpu.containers["a"].freezes == []
