@@ -147,14 +147,20 @@ def test_a_container_over_its_memory_quota_loses_the_process_that_went_over(rig:
         extra=("--grow-to-mib", "1500", "--grow-after", "2"),
     )
 
-    def grown() -> bool:
-        rows = [c for g in rig.truth()["gpus"] for c in g["contexts"] if c["pid"] == grower.pid]
-        return bool(rows) and rows[0]["memory_bytes"] == 1500 << 20
+    small_at: list[float] = []  # when the GPU last showed it at 800 MiB: it grew after that
 
-    wait_for(grown, 10, "the workload grew to 1500 MiB")
-    grew = time.monotonic()
+    def grown_or_gone() -> bool:
+        rows = [c for g in rig.truth()["gpus"] for c in g["contexts"] if c["pid"] == grower.pid]
+        if rows and rows[0]["memory_bytes"] == 800 << 20:
+            small_at.append(time.monotonic())
+            return False
+        # Gone: killed between two readings (the guard can be quicker than this poll).
+        return not rows or rows[0]["memory_bytes"] == 1500 << 20
+
+    wait_for(grown_or_gone, 10, "the workload grown to 1500 MiB")
+    assert small_at, "never seen at its first 800 MiB"
     wait_for(lambda: grower.proc.poll() is not None, 1.0, "the grower killed")
-    assert time.monotonic() - grew <= 1.0
+    assert time.monotonic() - small_at[-1] <= 1.1  # growth to kill, plus one reading at most
     assert grower.proc.returncode == -signal.SIGKILL
     assert neighbour.proc.poll() is None
     events = wait_for(
