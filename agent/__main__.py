@@ -2,7 +2,7 @@
 
 import sys
 
-SIM_COMMANDS = ("sim-gpu", "sim-workload", "sim-event")
+SIM_COMMANDS = ("sim-gpu", "sim-workload", "sim-event", "sim-mps-control")
 
 
 def _main() -> int:

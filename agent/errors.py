@@ -95,3 +95,12 @@ class ConflictError(KubeError):
 
 class PodFormatError(VcudaError):
     """A pod object from the API that lacks the fields the agent needs."""
+
+
+class MpsUnavailableError(PlatformError):
+    """An MPS control daemon cannot run here (binary missing, it will not start, ...)."""
+
+
+class MemoryLimitUnsupportedError(GpuError):
+    """The driver cannot limit GPU memory per cgroup (no nvmlDeviceSetMemoryLimits_v1, MIG,
+    cgroup v1, ...)."""

@@ -149,6 +149,30 @@ class EnforcementSettings:
         return self.state_dir / "status.sock"
 
 
+class SharingMode(enum.StrEnum):
+    """How shares of one GPU are held (issue K); whole GPUs are never limited."""
+
+    FREEZER = "freezer"  # time-slicing, the duty-cycle controller freezes containers over their cap
+    MPS = "mps"  # an MPS control daemon per shared GPU, limits per client, the controller on top
+    AUTO = "auto"  # mps where the node can run MPS, else freezer
+
+
+DEFAULT_MPS_ROOT = Path("/run/vcuda-agent/mps")
+
+
+@dataclass(frozen=True)
+class SharingSettings:
+    """Sharing mode and the MPS control daemons (the node config's sharingMode overrides mode)."""
+
+    mode: SharingMode = SharingMode.FREEZER
+    mps_control: tuple[str, ...] = ()  # daemon command (); empty: the backend's own
+    mps_root: Path = DEFAULT_MPS_ROOT  # host path (the same in the agent): <uuid>/pipe, <uuid>/log
+    container_pipe_dir: str = "/run/vcuda-mps/pipe"  # where clients see their GPU's pipe directory
+    container_log_dir: str = "/run/vcuda-mps/log"
+    ready_timeout_s: float = 3.0  # Allocate waits this long for a daemon's control socket
+    idle_stop_s: float = 60.0  # a daemon whose GPU holds no share this long is stopped
+
+
 @dataclass(frozen=True)
 class KubeSettings:
     """The Kubernetes API (pods, node, events) and kubelet's pod-resources API."""
@@ -175,6 +199,7 @@ class Settings:
     cgroups: CgroupSettings = field(default_factory=CgroupSettings)
     bpf: BpfSettings = field(default_factory=BpfSettings)
     enforcement: EnforcementSettings = field(default_factory=EnforcementSettings)
+    sharing: SharingSettings = field(default_factory=SharingSettings)
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -22,9 +22,17 @@ its use per second of being on, against the target.
     sudo .venv/bin/python bench/enforcement.py [--pattern train,infer,graph,bursty,burn]
         [--sample-period S] [--timeslice-ms MS] [--kernel-ms MS] [--seed N] [--seconds S]
         [--sample-delay S] [--sample-jitter S] [--settle S] [--model]
+        [--actuator freezer|mps|auto] [--mps-samples server|client]
+
+``--actuator mps`` (or ``auto``, the same on the engine, which can always run MPS) runs the
+agent in sharing mode mps: each container is an MPS client at its ceiling's whole TPCs, the
+duty cycles on top; ``--mps-samples`` says whom NVML credits with an MPS client's work.
 
 Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infer_p99_ms=...``
-(max_abs_error_pp and max_settle_s over every capped container of every pattern but burn).
+(max_abs_error_pp and max_settle_s over every capped container of every pattern but burn),
+plus ``mps_max_abs_error_pp=... mps_burn_error_pp=... mps_max_shortfall_pp=...`` with
+--actuator mps/auto (every pattern, burn included; the burn rows alone; the most any scored
+container got below its expected use, i.e. below its guarantee).
 """
 
 from __future__ import annotations
@@ -187,10 +195,12 @@ def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, work
     gpu_args = [
         "--timeslice-ms", f"{args.timeslice_ms:g}", "--sample-delay", f"{args.sample_delay:g}",
         "--sample-jitter", f"{args.sample_jitter:g}", "--seed", str(args.seed),
+        "--mps-samples", args.mps_samples,
     ]  # fmt: skip
     if args.sample_period is not None:
         gpu_args += ["--sample-period", f"{args.sample_period:g}"]
-    agent_args = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
+    agent_args: tuple[str, ...] = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
+    agent_args = (*agent_args, "--sharing-mode", args.actuator)
     with enforced_node(workdir, gpu_args=tuple(gpu_args), agent_args=agent_args) as node:
         running = []
         for box in boxes:
@@ -236,6 +246,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=25.0, help="measured per scenario (default 25)")
     parser.add_argument("--settle", type=float, default=5.0, help="left out of the error (default 5)")
     parser.add_argument("--model", action="store_true", help="virtual time in this process (see above)")
+    parser.add_argument(
+        "--actuator",
+        choices=("freezer", "mps", "auto"),
+        default="freezer",
+        help="the agent's --sharing-mode: freezer (default), mps or auto (MPS limits, duty cycles on top)",
+    )
+    parser.add_argument(
+        "--mps-samples",
+        choices=("server", "client"),
+        default="server",
+        help="under MPS, NVML credits the clients' work to the MPS server (default, as NVIDIA documents) "
+        "or to each client",
+    )
     args = parser.parse_args(argv)
     bad = [p for p in args.pattern.split(",") if p not in PATTERNS]
     if bad:
@@ -251,7 +274,11 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
     args = parse(argv)
     workdir = Path(tempfile.mkdtemp(prefix="vc-enf-", dir="/tmp"))
     mode = "model (virtual time)" if args.model else "real agent, containers and freezer"
-    print(f"# {mode}; sample period {args.sample_period or 'default'} s, timeslice {args.timeslice_ms:g} ms")
+    mps = f", MPS samples per {args.mps_samples}" if args.actuator != "freezer" else ""
+    print(
+        f"# {mode}; sharing mode {args.actuator}{mps}; sample period {args.sample_period or 'default'} s, "
+        f"timeslice {args.timeslice_ms:g} ms"
+    )
     print("| pattern | scenario | container | expected % | used % | error pp | settle s | p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[Row]] = {}
@@ -274,12 +301,21 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
     scored = [r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None]
     burn = [r.error_pp for r in rows.get("burn", []) if r.error_pp is not None]
     p99 = [r.p99_ms for r in rows.get("infer", []) if r.p99_ms is not None and r.error_pp is not None]
+    every = [r.error_pp for rs in rows.values() for r in rs if r.error_pp is not None]
+    mps_result = ""
+    if args.actuator != "freezer":  # every pattern, burn included; the burn rows alone
+        worst_burn = max(burn, key=abs, default=0.0)
+        mps_result = (
+            f" mps_max_abs_error_pp={max(map(abs, every), default=0):.1f} mps_burn_error_pp={worst_burn:+.1f}"
+            # how far any container fell below what it is owed (its guarantee), whatever others got
+            f" mps_max_shortfall_pp={max((-e for e in every), default=0):.1f}"
+        )
     print(
         "RESULT "
         f"max_abs_error_pp={max((abs(r.error_pp or 0) for r in scored), default=0):.1f} "
         f"max_settle_s={max((r.settle_s for r in scored), default=0):.1f} "
         f"burn_error_pp={max(burn, default=0):+.1f} "
-        f"infer_p99_ms={max(p99, default=0):.0f}"
+        f"infer_p99_ms={max(p99, default=0):.0f}" + mps_result
     )
     return 0
 

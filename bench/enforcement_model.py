@@ -17,10 +17,13 @@ from agent.control.enforcer import Enforcer
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
+from agent.platform.gpu.mpspartition import effective_share, partition_for
 from agent.platform.gpu.sim.engine import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
 PERIOD_S = 0.25
+MPS_SERVER_PID = 999  # stands for the MPS server's process (not a container's)
+H100_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         timeslice_s=args.timeslice_ms / 1000,
         sample_delay_s=args.sample_delay,
         sample_jitter_s=args.sample_jitter,
+        mps_samples=args.mps_samples,
         seed=args.seed,
     )
     if args.sample_period is not None:
@@ -86,8 +90,13 @@ def run_model(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, win
         clock=clock,
     )
     stats = [WorkloadStats() for _ in boxes]
-    for box, box_stats in zip(boxes, stats, strict=True):
-        gpu.add(box.name, 0, pattern_program(spec, box_stats))
+    mps = args.actuator in ("mps", "auto")  # the engine can always run MPS
+    if mps:
+        gpu.node.engines[0].attach_mps_server(MPS_SERVER_PID, clock.monotonic())
+    for box, box_spec_, box_stats in zip(boxes, specs, stats, strict=True):
+        # What Allocate hands out: the ceiling's whole TPCs (agent.control.mpssharing).
+        share = effective_share(partition_for(box_spec_.ceiling or 100, H100_SMS).percent, H100_SMS)
+        gpu.add(box.name, 0, pattern_program(spec, box_stats), share=share if mps else 1.0, mps_client=mps)
     start = clock.monotonic()
     windows: list[list[float]] = [[] for _ in boxes]
     starts: list[float] = []

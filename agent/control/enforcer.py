@@ -335,6 +335,13 @@ class Enforcer:
         with self._lock:
             return list(self._controls.values())
 
+    def measured(self, control: ContainerControl) -> bool:
+        """Whether NVML ever credited the container with a sample (its ``used`` is measured,
+        not merely 0: under MPS, NVML may credit every client's work to the MPS server)."""
+        gpus = control.spec.gpus
+        estimator = self.meter.estimators.get(gpus[0]) if gpus else None
+        return estimator is not None and estimator.has_samples(control.key)
+
     def gpu_views(self) -> dict[int, GpuView]:
         with self._lock:
             return dict(self._views)

@@ -2,7 +2,7 @@
 
     {"nodeConfig": [{"name": "gpu-node-1", "deviceMemoryScaling": 0.9,
                      "containerRuntimeEndpoint": "/run/containerd/containerd.sock",
-                     "cgroupDriver": "systemd"}]}
+                     "cgroupDriver": "systemd", "sharingMode": "auto"}]}
 
 Nodes that are not listed get the defaults. Parsing reports every invalid field
 with the node it belongs to, not just the first.
@@ -21,8 +21,9 @@ from typing import Any
 from agent.errors import ConfigError
 
 CGROUP_DRIVERS = ("systemd", "cgroupfs")
+SHARING_MODES = ("freezer", "mps", "auto")
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_NODE_FIELDS = ("name", "deviceMemoryScaling", "containerRuntimeEndpoint", "cgroupDriver")
+_NODE_FIELDS = ("name", "deviceMemoryScaling", "containerRuntimeEndpoint", "cgroupDriver", "sharingMode")
 _TOP_FIELDS = ("nodeConfig",)
 
 
@@ -34,6 +35,7 @@ class NodeConfig:
     device_memory_scaling: float = 1.0  # vcuda-memory advertised = GPU memory x this, 0 < x <= 1
     container_runtime_endpoint: str | None = None  # e.g. unix:///run/containerd/containerd.sock
     cgroup_driver: str | None = None  # "systemd" or "cgroupfs"
+    sharing_mode: str | None = None  # "freezer", "mps" or "auto"; None: the agent's --sharing-mode
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,12 @@ def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | Non
     driver = entry.get("cgroupDriver")
     if driver is not None and driver not in CGROUP_DRIVERS:
         problems.append(f"{where}: cgroupDriver must be one of {', '.join(CGROUP_DRIVERS)}, got {driver!r}")
+    sharing = entry.get("sharingMode")
+    if sharing is not None and sharing not in SHARING_MODES:
+        problems.append(f"{where}: sharingMode must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
     if len(problems) > before:
         return None
-    return NodeConfig(name, float(scaling), endpoint, driver)
+    return NodeConfig(name, float(scaling), endpoint, driver, sharing)
 
 
 def _valid_endpoint(value: Any) -> bool:

@@ -110,6 +110,10 @@ class GpuUsageEstimator(Generic[K]):
             return min(int(self.max_period_s * _US), *self._gaps)
         return int(self.max_period_s * _US)
 
+    def has_samples(self, key: K) -> bool:
+        """Whether any per-process sample was ever credited to this container."""
+        return key in self._first_by_key
+
     def add_device(self, now_s: float, util: float) -> None:
         """A device utilization reading (percent) at ``now_s`` (any clock, the same for all)."""
         self._device.append((now_s, util))

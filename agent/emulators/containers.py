@@ -7,23 +7,31 @@ joins the cgroup before it execs, so the agent's process events see it there fro
 first instruction. The agent then finds, measures and freezes it exactly as it would a
 container made by containerd.
 
-Not modelled: images, namespaces, the pause container, restarts, OOM handling, cgroup
-controllers (only the v2 directory is made; the freezer needs none).
+The container gets the environment Allocate handed out (its ``CUDA_*``, ``NVIDIA_*`` and
+``VCUDA_*`` variables: the MPS pipe directory and limits among them). With no mount
+namespace, a mount is applied by rewriting the variables that point into its container
+path to its host path.
+
+Not modelled: images, namespaces (mounts as above), the pause container, restarts, OOM
+handling, cgroup controllers (only the v2 directory is made; the freezer needs none).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.platform.cgroups.detect import CgroupDriver
 from agent.platform.cgroups.paths import QosClass, container_names, pod_relpath
+
+_PASSED = ("CUDA_", "NVIDIA_", "VCUDA_")
 
 
 @dataclass
@@ -58,6 +66,8 @@ class ContainerRuntime:
         memory_mib: int = 0,
         extra: tuple[str, ...] = (),
         command: Sequence[str] | None = None,
+        envs: Mapping[str, str] | None = None,
+        mounts: Sequence[tuple[str, str]] = (),
     ) -> RunningContainer:
         """Make the container's cgroup and start a simulated GPU workload in it (or
         ``command``, e.g. a CUDA program on a real GPU)."""
@@ -72,7 +82,7 @@ class ContainerRuntime:
         # A shell joins the cgroup, then execs the workload (same pid): no preexec_fn, so
         # subprocess can vfork and gRPC's fork handlers in this process stay out of it.
         join = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *cmd]
-        proc = subprocess.Popen(join)
+        proc = subprocess.Popen(join, env={**os.environ, **container_env(envs or {}, mounts)})
         running = RunningContainer(key, cgroup, proc, gpu)
         self.containers.append(running)
         return running
@@ -98,6 +108,24 @@ class ContainerRuntime:
             p.mkdir()
             self._made.append(p)
         return path
+
+
+def container_env(envs: Mapping[str, str], mounts: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """Allocate's CUDA/NVIDIA/VCUDA variables, with paths inside a mount's container path
+    rewritten to its host path (``mounts``: (container path, host path))."""
+    out = {}
+    for name, value in envs.items():
+        if not name.startswith(_PASSED):
+            continue
+        out[name] = next(
+            (
+                outside + value[len(inside) :]
+                for inside, outside in mounts
+                if value == inside or value.startswith(inside.rstrip("/") + "/")
+            ),
+            value,
+        )
+    return out
 
 
 def remove_cgroup_dir(path: Path) -> None:

@@ -40,6 +40,7 @@ from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import QosClass
 from agent.platform.gpu.sim.client import NodeClient, context_times
 from agent.platform.gpu.sim.nodefile import SimNodeDir
+from agent.platform.mpsdaemon import stop_recorded_daemons
 
 NODE = "sim-node"
 
@@ -86,6 +87,7 @@ class EnforcedNode:
     agent_args: tuple[str, ...]
     gpu_server: subprocess.Popen[bytes] | None = None
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    responses: dict[str, Any] = field(default_factory=dict)  # pod name -> its Allocate response
 
     @property
     def agent(self) -> subprocess.Popen[bytes]:
@@ -150,7 +152,9 @@ class EnforcedNode:
         admission = self.node.run_pod(manifest)
         pod = self.api.pod("default", name)
         assert pod is not None
-        envs = admission.containers[0].response.envs
+        response = admission.containers[0].response
+        self.responses[name] = response
+        envs = response.envs
         box = self.runtime.start(
             f"default/{name}/c",
             pod_uid=admission.pod.uid,
@@ -160,6 +164,8 @@ class EnforcedNode:
             busy=busy,
             memory_mib=workload_mib,
             extra=extra,
+            envs=dict(envs),
+            mounts=[(m.container_path, m.host_path) for m in response.mounts],
         )
         wait_for(lambda: self.on_gpu(box) or box.proc.poll() is not None, 30, f"{name}'s workload on its GPU")
         if box.proc.poll() is not None:
@@ -275,6 +281,7 @@ def enforced_node(
     finally:
         for agent in node.agents:
             stop_process(agent)
+        stop_recorded_daemons(workdir / "mps")  # the agent leaves its MPS daemons running, by design
         runtime.stop()
         if node.gpu_server is not None:
             stop_process(node.gpu_server)

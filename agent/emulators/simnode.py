@@ -39,6 +39,8 @@ def sim_agent_command(
     # Freeze journal and status socket of this node alone: agents of other tests and demos
     # running at the same time must not thaw each other's containers at start-up.
     cmd += ["--state-dir", str(state_dir or plugin_dir.parent / "agent-state")]
+    # Its MPS daemons' pipe and log directories too (used in sharing modes mps and auto).
+    cmd += ["--mps-root", str(plugin_dir.parent / "mps")]
     return [*cmd, *extra]
 
 

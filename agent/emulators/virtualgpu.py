@@ -60,10 +60,13 @@ class VirtualGpuNode:
         """Run the GPUs and programs up to the clock."""
         self.node.run_until(self.clock.monotonic())
 
-    def add(self, name: str, gpu: int, program: Program, *, share: float = 1.0) -> ContainerRef:
+    def add(
+        self, name: str, gpu: int, program: Program, *, share: float = 1.0, mps_client: bool = False
+    ) -> ContainerRef:
         self.sync()
         ref = ContainerRef(f"uid-{name}", f"cid-{name}")
-        container = VirtualContainer(name, ref, self.node.spawn(gpu, program, share=share))
+        process = self.node.spawn(gpu, program, share=share, mps_client=mps_client)
+        container = VirtualContainer(name, ref, process)
         self.containers[name] = self._by_id[ref.container_id] = container
         self._by_pid[container.process.pid] = container
         return ref

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from agent.clock import Clock, SystemClock
 from agent.control.actuators import ThrottleTarget, make_actuator
 from agent.control.enforcer import ContainerControl, Enforcer
+from agent.control.mpssharing import GpuSharing, MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.dutycontrol import Gains
 from agent.domain.health import HealthBoard
@@ -34,6 +36,7 @@ from agent.surfaces.statusview import (
     ActionLog,
     ContainerStatus,
     GpuStatus,
+    MpsDaemonInfo,
     StatusDocument,
     agent_info,
     container_status,
@@ -55,6 +58,7 @@ class EnforcementIntegration:
         board: HealthBoard,
         host: HostIntegration,
         kube: KubeIntegration,
+        sharing: MpsSharing | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.settings = settings
@@ -64,6 +68,7 @@ class EnforcementIntegration:
         self._board = board
         self._host = host
         self._kube = kube
+        self.sharing = sharing
         self._clock = clock or SystemClock()
         self._started = self._clock.monotonic()
         procfs = ProcFS(host.cgroup_settings.proc_root)
@@ -160,6 +165,7 @@ class EnforcementIntegration:
         controls = self.enforcer.controls()
         views = self.enforcer.gpu_views()
         memory = self.memory.usage_by_container()
+        sharing = {g.gpu: g for g in self.sharing.gpus()} if self.sharing is not None else {}
         gpus: list[GpuStatus] = []
         for gpu in self._gpus:
             rows = [
@@ -180,6 +186,7 @@ class EnforcementIntegration:
                     utilization_percent=view.device_percent if view else None,
                     memory_used_mib=used_mib,
                     containers=rows,
+                    **_sharing_fields(sharing.get(gpu.index)),
                 )
             )
         agent = agent_info(
@@ -212,7 +219,7 @@ class EnforcementIntegration:
             whole=spec.whole,
             cap_percent=spec.cap,
             ceiling_percent=spec.ceiling,
-            used_percent=control.used,
+            used_percent=control.used if self.enforcer.measured(control) else None,
             target_percent=control.goal,
             duty=control.state.duty,
             cycle_s=control.cycle_s if control.throttled else None,
@@ -221,4 +228,46 @@ class EnforcementIntegration:
             memory_used_mib=memory.get(spec.label),
             memory_quota_mib=spec.memory_quota_mib,
             throttled=control.throttled,
+            compute_held_by=self.compute_holder(spec),
+            memory_held_by=self.memory_holder(spec),
         )
+
+    def compute_holder(self, spec: EnforcementSpec) -> tuple[str, str]:
+        """What holds the container's compute share, and how or why."""
+        if spec.whole:
+            return "none", "a whole GPU is never limited"
+        grant = self.sharing.grant(spec.pod_uid, spec.container) if self.sharing is not None else None
+        if grant is not None:
+            control = next((c for c in self.enforcer.controls() if c.spec.label == spec.label), None)
+            if control is not None and not self.enforcer.measured(control):
+                # NVIDIA: NVML credits MPS clients' work to the MPS server.
+                return "mps+freezer", f"{grant.describe()}; no per-client samples (NVML credits the server)"
+            return "mps+freezer", grant.describe()
+        if spec.ceiling is None:
+            return "none", f"{spec.policy} is never throttled"
+        why = self.sharing.why_not(spec.gpus[0]) if self.sharing is not None and spec.gpus else None
+        return "freezer", why or "started before its GPU's MPS daemon was up"
+
+    def memory_holder(self, spec: EnforcementSpec) -> tuple[str, str]:
+        """What holds the container's GPU memory quota, and how or why."""
+        if spec.whole or spec.memory_quota_mib is None:
+            return "none", "no quota"
+        grant = self.sharing.grant(spec.pod_uid, spec.container) if self.sharing is not None else None
+        driver, detail = self.memory.limits.holder(spec.label)
+        if driver:
+            return "driver", detail
+        if grant is not None and grant.memory_mib:
+            return "mps", f"pinned device memory limit {grant.memory_mib} MiB"
+        return self.memory.mode, f"no driver limit: {detail}"
+
+
+def _sharing_fields(sharing: GpuSharing | None) -> dict[str, Any]:
+    if sharing is None:
+        return {}
+    daemon = sharing.daemon
+    info: MpsDaemonInfo | None = None
+    if daemon is not None:
+        info = MpsDaemonInfo(
+            state=str(daemon.state), pid=daemon.pid, restarts=daemon.restarts, error=daemon.error
+        )
+    return {"sharing": (sharing.actuator, sharing.reason), "mps_daemon": info}

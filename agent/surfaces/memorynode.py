@@ -1,4 +1,5 @@
-"""GPU memory quotas on the node: every ``memory_check_s`` the GPU memory of each container
+"""GPU memory quotas on the node: the driver limits each container's GPU memory where it
+can (per-cgroup NVML limits); every ``memory_check_s`` the GPU memory of each container
 (NVML per-process memory, sharpened by the ioctl tracer's allocation bytes) is compared
 with its vcuda-memory, and the memory guard acts by mode (kill, deny, audit)."""
 
@@ -8,13 +9,16 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from agent.clock import Clock, SystemClock
+from agent.control.driverlimits import DriverMemoryLimits
 from agent.control.memguard import MemoryGuard, MemoryView, open_deny_program, process_uses
 from agent.domain.memquota import AllocationTimes, format_mib
 from agent.domain.specs import EnforcementSpec
 from agent.errors import VcudaError
 from agent.platform.bpf.lsm import MemoryDenyProgram, probe_bpf_lsm
+from agent.platform.cgroups.layout import UNIFIED
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo, ProcessMemory
 from agent.platform.procfs import ProcessIdentity, ProcFS
@@ -58,6 +62,7 @@ class MemoryIntegration:
                 mode = MemoryQuotaMode.KILL
         self.mode = str(mode)
         self.guard = MemoryGuard(mode=mode, procfs=procfs, clock=self._clock, events=kube.events, deny=deny)
+        self.limits = DriverMemoryLimits(backend, self._cgroup_v2, unavailable=self._limits_unavailable(mode))
         self._times = AllocationTimes()
         self._lock = threading.Lock()
         self._by_container: dict[str, int] = {}  # label -> MiB
@@ -69,8 +74,23 @@ class MemoryIntegration:
         while not self._clock.sleep(self.settings.memory_check_s, stop):
             self.check_once()
 
+    def _limits_unavailable(self, mode: MemoryQuotaMode) -> str | None:
+        if mode is MemoryQuotaMode.AUDIT:
+            return "memory quota mode is audit"
+        if self._host.facts.layout.v2_root is None:
+            return "driver memory limits need cgroup v2"
+        return self._backend.memory_limits_support()
+
+    def _cgroup_v2(self, spec: EnforcementSpec) -> Path | None:
+        dirs = self._host.resolver.container_dirs(
+            spec.pod_uid, spec.qos_class or None, spec.container_id, UNIFIED
+        )
+        return None if dirs is None else dirs.scope
+
     def check_once(self) -> None:
-        specs = {ContainerRef(s.pod_uid, s.container_id): s for s in self._kube.specs() if s.container_id}
+        all_specs = self._kube.specs()
+        self.limits.apply(all_specs)
+        specs = {ContainerRef(s.pod_uid, s.container_id): s for s in all_specs if s.container_id}
         traced, times = self._traced()
         grouped: dict[ContainerRef, list[ProcessMemory]] = {}
         by_gpu: dict[int, int] = {}

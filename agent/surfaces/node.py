@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from agent.control.configwatch import ConfigWatch
 from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
+from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
 from agent.domain.nodeconfig import ClusterConfig
@@ -31,8 +32,10 @@ from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer
 from agent.surfaces.metrics.kube_collector import AllocationCollector
 from agent.surfaces.metrics.legacy_collector import LegacyCollector
+from agent.surfaces.metrics.sharing_collector import SharingCollector
 from agent.surfaces.metrics.tracer_collector import TracerCollector
 from agent.surfaces.metrics.xid_collector import XidCollector
+from agent.surfaces.sharingnode import build_sharing
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,14 @@ class NodeAgent:
             )
             self.service.allocations = self.kube.allocations
             self.service.recovery = self.kube.recovery
+        self.sharing = build_sharing(
+            settings.sharing,
+            backend=self.backend,
+            gpus=self.gpus,
+            node_mode=lambda: self.config.node.sharing_mode,
+            kube=self.kube,
+        )
+        self.service.mps = self.sharing
         self.host: HostIntegration | None = None
         try:
             self.host = HostIntegration(settings.cgroups, settings.bpf, self.config.node)
@@ -95,6 +106,7 @@ class NodeAgent:
                 board=self.board,
                 host=self.host,
                 kube=self.kube,
+                sharing=self.sharing,
             )
         elif settings.use_kube:
             log.error("no enforcement: it needs the host integration (cgroups) and the Kubernetes API")
@@ -107,6 +119,9 @@ class NodeAgent:
         if self.enforcement is not None:
             self.registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
         self.registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
+        self.registry.register(
+            SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name)
+        )
         if self.host is not None and self.kube is not None:
             host, specs, node = self.host, self.kube.specs, settings.node_name
             tracer = TracerCollector(lambda: host.tracer, host.resolver.index_cgroup_ids, specs, node)
@@ -159,6 +174,8 @@ class NodeAgent:
             )
         policy = HealthPolicy(self.settings.health.ignored_xids)
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
+        self.supervisor.spawn("mps", self.sharing.run)
+        log.info("sharing mode %s%s", self.sharing.mode(), _mps_note(self.sharing))
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
         if self.host is not None:
@@ -186,3 +203,11 @@ class NodeAgent:
             self.host.stop()
         self.backend.close()
         log.info("stopped")
+
+
+def _mps_note(sharing: MpsSharing) -> str:
+    if sharing.mode() == "freezer":
+        return ""
+    if sharing.unavailable is not None:
+        return f": MPS cannot run here ({sharing.unavailable}), shares are held by the freezer"
+    return f": MPS control daemons ({' '.join(sharing.command)}) under {sharing.settings.mps_root}"

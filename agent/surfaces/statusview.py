@@ -16,7 +16,10 @@ the Kubernetes objects next to them. An example::
                                "ceilingPercent": 30, "whole": false, "usedPercent": 29.5,
                                "targetPercent": 30, "duty": 0.31, "cycleSeconds": 1.0,
                                "drainSeconds": 0.03, "frozen": false,
-                               "memoryUsedMiB": 512, "memoryQuotaMiB": 1024, "throttled": true}]}],
+                               "memoryUsedMiB": 512, "memoryQuotaMiB": 1024, "throttled": true,
+                               "computeHeldBy": "freezer", "computeDetail": "sharing mode is freezer",
+                               "memoryHeldBy": "kill", "memoryDetail": "..."}],
+               "sharing": "freezer", "sharingReason": "sharing mode is freezer", "mpsDaemon": null}],
      "recentActions": [{"time": 1763800000.0, "container": "default/p/c",
                         "action": "killed pid 123", "detail": "..."}]}
 
@@ -32,7 +35,9 @@ Fields:
   unavailable, free text).
 - ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
   ``utilizationPercent`` (whole GPU, 0..100), ``memoryUsedMiB``, ``memoryTotalMiB``,
-  ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``.
+  ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``; ``sharing``
+  (``mps`` | ``freezer``: how its shares are held) and ``sharingReason`` (why);
+  ``mpsDaemon`` (``{state, pid, restarts, error}`` of its MPS control daemon, or null).
 - ``containers[]``: ``namespace``/``pod``/``container``; ``policy`` (the container's cap
   policy, e.g. ``fixed-share``); ``requestCores`` (vcuda-core on this GPU); ``capPercent``
   (the cap it is held to); ``ceilingPercent`` (the most it may use when the policy lets it
@@ -42,7 +47,11 @@ Fields:
   cycle while it is throttled, else null); ``drainSeconds`` (GPU seconds it is seen to run
   after each freeze, at least; null until measured); ``frozen`` (paused right now);
   ``memoryUsedMiB``; ``memoryQuotaMiB`` (its vcuda-memory); ``throttled`` (the
-  controller is holding it below what it would use).
+  controller is holding it below what it would use); ``computeHeldBy`` (``mps+freezer``:
+  an MPS active-thread limit with the duty cycles on top, ``freezer``, ``none``) and
+  ``computeDetail``; ``memoryHeldBy`` (``mps``: a pinned memory limit, ``driver``: an NVML
+  per-cgroup limit, else the guard's ``kill`` | ``deny`` | ``audit``, ``none``) and
+  ``memoryDetail``.
 - ``recentActions[]``, oldest first: ``time`` (Unix seconds), ``container``
   (``namespace/pod/container``, or ``""`` for node-wide actions), ``action`` (short,
   e.g. ``killed pid 123``), ``detail`` (free text).
@@ -95,6 +104,17 @@ class ContainerStatus(TypedDict):
     memoryUsedMiB: int | None
     memoryQuotaMiB: int | None
     throttled: bool
+    computeHeldBy: str
+    computeDetail: str
+    memoryHeldBy: str
+    memoryDetail: str
+
+
+class MpsDaemonInfo(TypedDict):
+    state: str
+    pid: int | None
+    restarts: int
+    error: str
 
 
 class GpuStatus(TypedDict):
@@ -107,6 +127,9 @@ class GpuStatus(TypedDict):
     memoryTotalMiB: int
     coresAllocated: int
     containers: list[ContainerStatus]
+    sharing: str
+    sharingReason: str
+    mpsDaemon: MpsDaemonInfo | None
 
 
 class ActionRecord(TypedDict):
@@ -175,6 +198,8 @@ def container_status(
     memory_used_mib: int | None = None,
     memory_quota_mib: int | None = None,
     throttled: bool = False,
+    compute_held_by: tuple[str, str] = ("freezer", ""),
+    memory_held_by: tuple[str, str] = ("kill", ""),
 ) -> ContainerStatus:
     """A container on one GPU; for ``whole`` GPUs the control fields are forced to null."""
     if whole:
@@ -197,6 +222,10 @@ def container_status(
         memoryUsedMiB=memory_used_mib,
         memoryQuotaMiB=memory_quota_mib,
         throttled=throttled,
+        computeHeldBy=compute_held_by[0],
+        computeDetail=compute_held_by[1],
+        memoryHeldBy=memory_held_by[0],
+        memoryDetail=memory_held_by[1],
     )
 
 
@@ -211,6 +240,8 @@ def gpu_status(
     utilization_percent: float | None = None,
     memory_used_mib: int | None = None,
     containers: list[ContainerStatus] | None = None,
+    sharing: tuple[str, str] = ("freezer", ""),
+    mps_daemon: MpsDaemonInfo | None = None,
 ) -> GpuStatus:
     return GpuStatus(
         index=index,
@@ -222,6 +253,9 @@ def gpu_status(
         memoryTotalMiB=memory_total_mib,
         coresAllocated=cores_allocated,
         containers=list(containers or []),
+        sharing=sharing[0],
+        sharingReason=sharing[1],
+        mpsDaemon=mps_daemon,
     )
 
 

@@ -117,7 +117,9 @@ class FakeNvml(types.ModuleType):
 
     ``topology`` maps GPU index pairs (either order) to ``NVML_TOPOLOGY_*`` values; unlisted
     pairs are ``NVML_TOPOLOGY_SYSTEM``. ``missing`` names binding functions to hide, as an
-    older nvidia-ml-py would not have them.
+    older nvidia-ml-py would not have them; ``driver_lacks`` names functions the binding has
+    but the driver's library does not (``_nvmlGetFunctionPointer`` and the call itself
+    raise FUNCTION_NOT_FOUND, as with a driver older than the function).
     """
 
     _missing: frozenset[str] = frozenset()
@@ -127,12 +129,17 @@ class FakeNvml(types.ModuleType):
         gpus: Sequence[FakeGpu],
         topology: Mapping[tuple[int, int], int] | None = None,
         missing: Iterable[str] = (),
+        driver_lacks: Iterable[str] = (),
     ) -> None:
         super().__init__("pynvml", "fake NVML for tests")
         for name, value in vars(pynvml).items():
-            if name.startswith(("NVML_", "NVMLError", "NVMLLibrary", "nvmlEventType")):
+            if name.startswith(
+                ("NVML_", "NVMLError", "NVMLLibrary", "nvmlEventType", "c_nvmlSetMemoryLimits")
+            ):
                 setattr(self, name, value)
         self._missing = frozenset(missing)
+        self._driver_lacks = frozenset(driver_lacks)
+        self.memory_limits: dict[int, dict[str, tuple[int, int]]] = {}  # GPU -> cgroup -> (soft, hard)
         self._cond = threading.Condition()
         self._devices = [_Device(spec) for spec in gpus]
         self._topology = {tuple(sorted(k)): v for k, v in (topology or {}).items()}
@@ -454,6 +461,25 @@ class FakeNvml(types.ModuleType):
                 obj.usedGpuMemory = None  # what the binding does for "not available"
             objects.append(obj)
         return objects
+
+    # --- driver memory limits -----------------------------------------------------------
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        if name in self._driver_lacks:
+            raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return getattr(self, name)
+
+    def nvmlDeviceSetMemoryLimits_v1(self, device: Any, limits: Any) -> None:
+        """Root only and cgroup v2 on a real driver; here: recorded per GPU and cgroup."""
+        with self._cond:
+            if "nvmlDeviceSetMemoryLimits_v1" in self._driver_lacks:
+                raise _error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            index = self._device("nvmlDeviceSetMemoryLimits_v1", device)[0]
+            if not isinstance(limits, pynvml.c_nvmlSetMemoryLimits_v1_t) or not limits.nameSpace:
+                raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            name = limits.nameSpace  # pynvml's structures hand c_char_p fields out as str
+            cgroup = name.decode() if isinstance(name, bytes) else str(name)
+            self.memory_limits.setdefault(index, {})[cgroup] = (int(limits.softLimit), int(limits.hardLimit))
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         with self._cond, _version_mismatch_as_binding_does("nvmlDeviceGetComputeRunningProcesses"):

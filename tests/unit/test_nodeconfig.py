@@ -79,6 +79,8 @@ def test_empty_config_gives_defaults(text: str) -> None:
         pytest.param({"deviceMemoryScaling": None}, "deviceMemoryScaling", id="scaling-null"),
         pytest.param({"cgroupDriver": "docker"}, "cgroupDriver", id="cgroup-docker"),
         pytest.param({"cgroupDriver": 1}, "cgroupDriver", id="cgroup-number"),
+        pytest.param({"sharingMode": "hami"}, "sharingMode", id="sharing-unknown"),
+        pytest.param({"sharingMode": True}, "sharingMode", id="sharing-bool"),
         pytest.param(
             {"containerRuntimeEndpoint": "relative.sock"}, "containerRuntimeEndpoint", id="endpoint-relative"
         ),
@@ -211,3 +213,10 @@ def test_load_config_missing_file(tmp_path: Path) -> None:
     assert len(info.value.problems) == 1
     assert str(path) in info.value.problems[0]
     assert "cannot read" in info.value.problems[0]
+
+
+@pytest.mark.parametrize("mode", ["freezer", "mps", "auto"])
+def test_sharing_mode_per_node(mode: str) -> None:
+    config = parse_config(json.dumps(one_node(sharingMode=mode)))
+    assert config.for_node("gpu-node-1").sharing_mode == mode
+    assert config.for_node("other").sharing_mode is None  # the agent's --sharing-mode

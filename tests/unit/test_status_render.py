@@ -137,12 +137,24 @@ def test_container_columns_line_up_under_their_headers() -> None:
     assert lines[1].startswith("default/a-much-longer-pod-name/c  ")
     assert lines[2].startswith("default/p/c" + " " * (len("default/a-much-longer-pod-name/c") - 11) + "  ")
     assert lines[2].split()[5] == "-"  # no sample yet: USED% unknown
-    assert lines[2].split()[-1] == "512/-"  # no vcuda-memory quota
+    assert lines[2].split()[-2] == "512/-"  # no vcuda-memory quota
+    assert lines[2].split()[-1] == "freezer/kill"  # what holds its compute share and its memory
 
 
 def test_whole_gpu_containers_show_dashes_for_cap_target_and_duty() -> None:
     row = container_row(whole("trainer"))
-    assert row == ["ml/trainer/main", "fixed-share", "100", "-", "-", "97%", "-", "-", "no", "40000/81559"]
+    assert row[:10] == [
+        "ml/trainer/main",
+        "fixed-share",
+        "100",
+        "-",
+        "-",
+        "97%",
+        "-",
+        "-",
+        "no",
+        "40000/81559",
+    ]
     # the renderer does not trust the producer either
     raw: dict[str, Any] = {**whole("x"), "capPercent": 100, "duty": 1.0, "targetPercent": 100}
     assert container_row(raw)[3:7] == ["-", "-", "97%", "-"]
@@ -213,3 +225,18 @@ def test_action_log_keeps_the_newest_entries() -> None:
     assert [a["time"] for a in snap] == [102.0, 103.0, 104.0]
     snap[0]["action"] = "changed"
     assert log.snapshot()[0]["action"] == "froze 2"  # copies: the log cannot be edited from outside
+
+
+def test_a_gpu_shared_through_mps_shows_its_daemon_and_what_holds_each_container() -> None:
+    doc = document()
+    gpu = doc["gpus"][0]
+    gpu["sharing"], gpu["sharingReason"] = "mps", "control daemon running"
+    gpu["mpsDaemon"] = {"state": "running", "pid": 4242, "restarts": 1, "error": "exited with -9"}
+    gpu["containers"][0]["computeHeldBy"], gpu["containers"][0]["memoryHeldBy"] = "mps+freezer", "driver"
+    text = render_status(doc)
+    assert "sharing mps (daemon running, pid 4242, 1 restarts, last: exited with -9)" in text
+    assert "mps+freezer/driver" in text
+    older = document()  # an agent from before MPS mode: no sharing fields at all
+    for g in older["gpus"]:
+        g.pop("sharing", None)
+    assert "sharing" not in render_status(older).splitlines()[2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 
@@ -141,6 +142,19 @@ class GpuBackend(Protocol):
 
     def sample_period_s(self, index: int) -> float | None:
         """The driver's per-process sample period, seconds (None: unknown)."""
+        ...
+
+    def mps_control_command(self) -> list[str]:
+        """The MPS control daemon command for one GPU, run in the foreground."""
+        ...
+
+    def memory_limits_support(self) -> str | None:
+        """Why per-cgroup GPU memory limits cannot be set here (None: they can)."""
+        ...
+
+    def set_memory_limit(self, index: int, cgroup: Path, limit_bytes: int | None) -> None:
+        """The driver's hard GPU memory limit for a cgroup (v2 directory, full path) and its
+        descendants; None clears it. ``MemoryLimitUnsupportedError`` when it cannot."""
         ...
 
     def close(self) -> None:

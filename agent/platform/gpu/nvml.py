@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from agent.errors import GpuLostError, NoSuchGpuError, NvmlError
+from agent.errors import GpuLostError, MemoryLimitUnsupportedError, NoSuchGpuError, NvmlError
 from agent.platform.driverfiles import LIBRARY_DIRS
 from agent.platform.gpu.inventory import (
     DeviceEvent,
@@ -27,6 +27,7 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.nvml_limits import limits_support, mps_client_processes, set_cgroup_limit
 from agent.platform.gpu.nvml_topology import numa_node, read_topology, text
 
 log = logging.getLogger("agent.platform.gpu.nvml")
@@ -321,6 +322,7 @@ class NvmlBackend:
                 *nvml.nvmlDeviceGetComputeRunningProcesses(handle),
                 *nvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
             ]
+        procs += mps_client_processes(nvml, handle)  # under MPS: each client's own memory
         used: dict[int, int] = {}
         for proc in procs:
             pid, amount = int(proc.pid), int(proc.usedGpuMemory or 0)  # None: not available
@@ -350,6 +352,22 @@ class NvmlBackend:
         if not gaps:
             return None
         return gaps[len(gaps) // 2] / 1_000_000
+
+    # --- driver-native limits -----------------------------------------------------------
+
+    def mps_control_command(self) -> list[str]:
+        return ["nvidia-cuda-mps-control", "-f"]
+
+    def memory_limits_support(self) -> str | None:
+        return limits_support(self._nvml)
+
+    def set_memory_limit(self, index: int, cgroup: Path, limit_bytes: int | None) -> None:
+        handle = self._handle(index)
+        try:
+            with self._call(index):
+                set_cgroup_limit(self._nvml, handle, cgroup, limit_bytes)
+        except NvmlError as err:
+            raise MemoryLimitUnsupportedError(f"GPU {index}: cannot limit memory of {cgroup}: {err}") from err
 
     # --- lifecycle ----------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from agent.settings import (
     EnforcementSettings,
     GuardMode,
     MemoryQuotaMode,
+    SharingMode,
+    SharingSettings,
 )
 from agent.surfaces.cli import demo, extender, run, sim, status
 from agent.surfaces.cli.common import common_options, configure_logging
@@ -239,6 +241,27 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         default=str(defaults.state_dir),
         metavar="DIR",
         help=f"freeze journal and status socket (default {defaults.state_dir}; a hostPath in the DaemonSet)",
+    )
+    sharing = SharingSettings()
+    g.add_argument(
+        "--sharing-mode",
+        choices=[m.value for m in SharingMode],
+        default=sharing.mode.value,
+        help="how shares of a GPU are held: freezer (duty cycles; default), mps (an MPS control daemon "
+        "per shared GPU, per-client limits, duty cycles on top), auto (mps where it can run); "
+        "the node config's sharingMode overrides it",
+    )
+    g.add_argument(
+        "--mps-control",
+        metavar="COMMAND",
+        help="the MPS control daemon command, run with -f per GPU (default: nvidia-cuda-mps-control; "
+        "with --simulate, the simulator's stand-in)",
+    )
+    g.add_argument(
+        "--mps-root",
+        default=str(sharing.mps_root),
+        metavar="DIR",
+        help=f"host directory of the daemons' pipe and log directories (default {sharing.mps_root})",
     )
     g.add_argument(
         "--no-watchdog",

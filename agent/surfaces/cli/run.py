@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import socket
 import threading
@@ -29,6 +30,8 @@ from agent.settings import (
     MemoryQuotaMode,
     MetricsSettings,
     Settings,
+    SharingMode,
+    SharingSettings,
     SimulationSettings,
     parse_address,
     parse_int_set,
@@ -56,6 +59,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         except ConfigError as err:
             problems += err.problems
     enforcement = enforcement_from_args(args, problems)
+    sharing = sharing_from_args(args, problems)
     if problems:
         raise ConfigError(problems)
     driver_in_agent = Path(args.driver_root_in_agent) if args.driver_root_in_agent else None
@@ -87,6 +91,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             pod_resources_socket=Path(args.pod_resources_socket),
         ),
         enforcement=enforcement,
+        sharing=sharing,
     )
 
 
@@ -116,6 +121,19 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
         state_dir=Path(args.state_dir),
         watchdog=not args.no_watchdog,
     )
+
+
+def sharing_from_args(args: argparse.Namespace, problems: list[str]) -> SharingSettings:
+    control: tuple[str, ...] = ()
+    if args.mps_control:
+        try:
+            control = tuple(shlex.split(args.mps_control))
+        except ValueError as err:
+            problems.append(f"--mps-control {args.mps_control!r}: {err}")
+    root = Path(args.mps_root)
+    if not root.is_absolute():
+        problems.append(f"--mps-root {args.mps_root!r}: must be an absolute path (a host path)")
+    return SharingSettings(mode=SharingMode(args.sharing_mode), mps_control=control, mps_root=root)
 
 
 def dump_bpf(settings: Settings) -> int:

@@ -1,4 +1,5 @@
-"""Commands of a simulated GPU node: its GPU server, its workloads, its health events."""
+"""Commands of a simulated GPU node: its GPU server, its workloads, its health events, its
+MPS control daemons."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from pathlib import Path
 
 from agent.errors import InvalidSpecError, VcudaError
 from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.mpspartition import sm_count_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engine import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
+from agent.platform.gpu.sim.mpsdaemon import serve_mps
 from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
 from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
 from agent.platform.gpu.sim.server import GpuServer
@@ -47,6 +50,8 @@ def gpu_main(args: argparse.Namespace) -> int:
                 sample_jitter_s=args.sample_jitter,
                 queue_depth=args.queue_depth,
                 mps=i in mps,
+                mps_samples=args.mps_samples,
+                sm_count=sm_count_for(model.product_name),
                 seed=args.seed,
             )
             config.validate()
@@ -63,6 +68,7 @@ def gpu_main(args: argparse.Namespace) -> int:
         SimNode(args.node_name, args.simulate, os.getpid(), slots),
         configs,
         SimNodeDir(Path(args.sim_state_dir)),
+        memory_limits=args.driver_memory_limits,
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: server.stop())
@@ -141,6 +147,20 @@ def workload_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def mps_main(args: argparse.Namespace) -> int:
+    """A stand-in for nvidia-cuda-mps-control -f on a simulated node: serves the GPU named by
+    CUDA_VISIBLE_DEVICES (its UUID) as its MPS server, with the pipe and log directories of
+    CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, until SIGTERM/SIGINT."""
+    if args.background:
+        log.error("-d (background) is not supported by the stand-in: run it with -f, as the agent does")
+        return 2
+    try:
+        return serve_mps(Path(args.sim_state_dir), os.environ)
+    except (VcudaError, OSError) as err:
+        log.error("cannot serve MPS: %s", err)
+        return 1
+
+
 def event_main(args: argparse.Namespace) -> int:
     """Inject a health event into a running simulated node: an XID error (critical ones make
     the GPU Unhealthy), the GPU falling off the bus (its contexts are lost), or its recovery."""
@@ -199,6 +219,19 @@ def add_parsers(
         "--queue-depth", type=int, default=1024, help="launches a context queues before one blocks"
     )
     p.add_argument("--mps", metavar="GPUS", help="GPUs in MPS mode: indexes like 0,1, or all (default none)")
+    p.add_argument(
+        "--mps-samples",
+        choices=("server", "client"),
+        default="server",
+        help="under an MPS control daemon, NVML credits the clients' work to the MPS server (as NVIDIA "
+        "documents; default) or to each client",
+    )
+    p.add_argument(
+        "--driver-memory-limits",
+        action="store_true",
+        help="the driver limits GPU memory per cgroup (nvmlDeviceSetMemoryLimits_v1, R615+; "
+        "default: an older driver without)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the samples' jitter")
     p.add_argument(
         "--exit-with-fd", type=int, help=argparse.SUPPRESS
@@ -276,6 +309,17 @@ def add_parsers(
     kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
     add_sim_state_dir(p)
     p.set_defaults(func=event_main)
+
+    p = sub.add_parser(
+        "sim-mps-control",
+        parents=[common],
+        help="a stand-in for nvidia-cuda-mps-control on a simulated node",
+        description=mps_main.__doc__,
+    )
+    p.add_argument("-f", dest="foreground", action="store_true", help="run in the foreground (always)")
+    p.add_argument("-d", dest="background", action="store_true", help="background mode: not supported")
+    add_sim_state_dir(p)
+    p.set_defaults(func=mps_main)
 
 
 def add_sim_state_dir(p: argparse.ArgumentParser) -> None:

@@ -26,9 +26,10 @@ CONTAINER_HEADERS = (
     "CYCLE s",
     "FROZEN",
     "MEM USED/QUOTA MiB",
+    "HELD BY",
 )
 # Numbers right-aligned so their digits line up; names left-aligned.
-CONTAINER_ALIGN = "<<>>>>>><>"
+CONTAINER_ALIGN = "<<>>>>>><><"
 ACTION_HEADERS = ("TIME", "CONTAINER", "ACTION", "DETAIL")
 
 
@@ -76,8 +77,24 @@ def gpu_line(gpu: Mapping[str, Any]) -> str:
     return (
         f"GPU {_text(gpu.get('index'))}  {_text(gpu.get('model'))}  {_text(gpu.get('uuid'))}  "
         f"{_text(gpu.get('health'))}  util {util}  memory {memory}  "
-        f"cores allocated {_number(gpu.get('coresAllocated'))}/100"
+        f"cores allocated {_number(gpu.get('coresAllocated'))}/100{_sharing(gpu)}"
     )
+
+
+def _sharing(gpu: Mapping[str, Any]) -> str:
+    """``  sharing mps (daemon running, pid 7, 0 restarts)``; nothing from an older agent."""
+    sharing = gpu.get("sharing")
+    if sharing is None:
+        return ""
+    daemon = gpu.get("mpsDaemon")
+    if isinstance(daemon, Mapping):
+        state = f"daemon {_text(daemon.get('state'))}, pid {_text(daemon.get('pid'))}, "
+        state += f"{_number(daemon.get('restarts'))} restarts"
+        if daemon.get("error"):
+            state += f", last: {_text(daemon.get('error'))}"
+    else:
+        state = _text(gpu.get("sharingReason"))
+    return f"  sharing {_text(sharing)} ({state})"
 
 
 def container_row(c: Mapping[str, Any]) -> list[str]:
@@ -94,6 +111,7 @@ def container_row(c: Mapping[str, Any]) -> list[str]:
         DASH if c.get("cycleSeconds") is None else _number(c.get("cycleSeconds"), 2, fixed=True),
         _yes_no(c.get("frozen")),
         f"{_number(c.get('memoryUsedMiB'))}/{_number(c.get('memoryQuotaMiB'))}",
+        f"{_text(c.get('computeHeldBy'))}/{_text(c.get('memoryHeldBy'))}",
     ]
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.control.mpssharing import MpsGrant
 from agent.domain.requests import ResolvedRequest
 from agent.platform.driverfiles import CONTAINER_ROOT, DriverFiles
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
-from agent.settings import DeviceListStrategy
+from agent.settings import DeviceListStrategy, SharingSettings
 
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 CDI_KIND = "nvidia.com/gpu"
@@ -20,8 +21,10 @@ class ResponseBuilder:
     strategy: DeviceListStrategy
     driver: DriverFiles
     dev_root: Path = Path("/")  # host path under which /dev/nvidia* live
+    mps_pipe_dir: str = SharingSettings().container_pipe_dir  # where an MPS client sees its pipes
+    mps_log_dir: str = SharingSettings().container_log_dir
 
-    def build(self, request: ResolvedRequest) -> pb.ContainerAllocateResponse:
+    def build(self, request: ResolvedRequest, mps: MpsGrant | None = None) -> pb.ContainerAllocateResponse:
         uuids = ",".join(g.uuid for g in request.gpus)
         envs = {"VCUDA_CORE": str(request.cores), "VCUDA_GPU_UUIDS": uuids}
         response = pb.ContainerAllocateResponse()
@@ -38,8 +41,29 @@ class ResponseBuilder:
             )
             envs["LD_LIBRARY_PATH"] = f"{CONTAINER_ROOT}/lib64"
             envs["PATH"] = f"{CONTAINER_ROOT}/bin:{_DEFAULT_PATH}"
+        if mps is not None:
+            envs.update(self._mps_envs(mps))
+            response.mounts.extend(
+                [
+                    pb.Mount(container_path=self.mps_pipe_dir, host_path=str(mps.pipe_dir), read_only=False),
+                    pb.Mount(container_path=self.mps_log_dir, host_path=str(mps.log_dir), read_only=True),
+                ]
+            )
         response.envs.update(envs)
         return response
+
+    def _mps_envs(self, mps: MpsGrant) -> dict[str, str]:
+        """Read by the CUDA driver in the container at its first CUDA call; the pinned
+        memory limit names device 0, the one GPU the container sees."""
+        envs = {
+            "CUDA_MPS_PIPE_DIRECTORY": self.mps_pipe_dir,
+            "CUDA_MPS_LOG_DIRECTORY": self.mps_log_dir,
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(mps.partition.percent),
+            "VCUDA_SHARING": "mps",
+        }
+        if mps.memory_mib:
+            envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mps.memory_mib}M"
+        return envs
 
     def _device_specs(self, request: ResolvedRequest) -> list[pb.DeviceSpec]:
         paths = [*CONTROL_DEVICES, *(g.device_path for g in request.gpus)]

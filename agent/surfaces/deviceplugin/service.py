@@ -10,6 +10,7 @@ from typing import NoReturn
 import grpc
 
 from agent.control.allocations import Allocations
+from agent.control.mpssharing import MpsGrant, MpsSharing
 from agent.control.recovery import LedgerRecovery
 from agent.domain.health import HealthBoard
 from agent.domain.ledger import Assignment
@@ -43,6 +44,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         # With Kubernetes: which pod an Allocate is for, and kubelet's word on it.
         self.allocations: Allocations | None = None
         self.recovery: LedgerRecovery | None = None
+        self.mps: MpsSharing | None = None  # MPS limits for shares (sharing mode mps/auto)
 
     def options(self) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
@@ -103,17 +105,22 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         resolved: list[ResolvedRequest] = []
         assigned: list[Assignment] = []
+        grants: list[MpsGrant | None] = []
         for creq in request.container_requests:
             try:
                 item = resolve_ids(self._gpus, creq.devices_ids, self._table)
                 self._check_healthy(item)
+                assignment = None
                 if self.allocations is not None:
-                    assigned.append(self.allocations.allocate(list(creq.devices_ids), item))
+                    assignment = self.allocations.allocate(list(creq.devices_ids), item)
+                    assigned.append(assignment)
             except VcudaError as err:
                 self._undo(assigned)
                 _abort(context, err, "Allocate")
             resolved.append(item)
-        response = pb.AllocateResponse(container_responses=[self._responses.build(r) for r in resolved])
+            grants.append(self.mps.grant_for(item, assignment) if self.mps is not None else None)
+        responses = [self._responses.build(r, g) for r, g in zip(resolved, grants, strict=True)]
+        response = pb.AllocateResponse(container_responses=responses)
         if self.allocations is None:
             for item in resolved:
                 log.info(

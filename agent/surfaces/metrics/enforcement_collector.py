@@ -54,7 +54,8 @@ class EnforcementCollector(Collector):
         memory = self._enforcement.memory.usage_by_container()
         util = GaugeMetricFamily(
             "vcuda_container_gpu_utilization_ratio",
-            "The container's measured share of its GPU over the control window",
+            "The container's measured share of its GPU over the control window (absent: never measured, "
+            "e.g. an MPS client whose work NVML credits to the MPS server)",
             labels=CONTAINER_LABELS,
         )
         duty = GaugeMetricFamily(
@@ -91,10 +92,12 @@ class EnforcementCollector(Collector):
         add_cycle = adder(cycle)
         add_frozen, add_actions, add_mem = adder(frozen), adder(actions), adder(mem)
         node = self._node
-        for control in self._enforcement.enforcer.controls():
+        enforcer = self._enforcement.enforcer
+        for control in enforcer.controls():
             spec = control.spec
             labels = container_labels(node, spec)  # one dict, shared by the container's samples
-            add_util(labels, control.used / 100)
+            if enforcer.measured(control):
+                add_util(labels, control.used / 100)
             add_duty(labels, control.state.duty)
             if control.goal is not None:
                 add_target(labels, control.goal / 100)

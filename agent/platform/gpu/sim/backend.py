@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.clock import Clock, SystemClock
-from agent.errors import GpuLostError, NoSuchGpuError, SimulationError
+from agent.errors import GpuLostError, MemoryLimitUnsupportedError, NoSuchGpuError, SimulationError
 from agent.platform.gpu.inventory import (
     DeviceEvent,
     EventKind,
@@ -200,6 +200,38 @@ class SimulatedBackend:
         self._refresh(index)
         with self._lock:
             return self._utilization[index]
+
+    def mps_control_command(self) -> list[str]:
+        """The simulator's stand-in for ``nvidia-cuda-mps-control -f``."""
+        return [
+            sys.executable,
+            "-m",
+            "agent",
+            "sim-mps-control",
+            "-f",
+            "--sim-state-dir",
+            str(self.root.root),
+        ]
+
+    def memory_limits_support(self) -> str | None:
+        """The GPU server says whether its driver has per-cgroup memory limits."""
+        try:
+            with self._lock:
+                info = self._poller.node_info()
+        except SimulationError as err:
+            return f"cannot ask the simulated GPUs: {err}"
+        if not info.get("memory_limits"):
+            return "the simulated driver has no nvmlDeviceSetMemoryLimits_v1 (sim-gpu --driver-memory-limits)"
+        return None
+
+    def set_memory_limit(self, index: int, cgroup: Path, limit_bytes: int | None) -> None:
+        self._check_index(index)
+        mib = None if limit_bytes is None else limit_bytes // (1 << 20)
+        try:
+            with self._lock:
+                self._poller.set_memory_limit(index, str(cgroup), mib)
+        except SimulationError as err:
+            raise MemoryLimitUnsupportedError(f"GPU {index}: cannot limit memory of {cgroup}: {err}") from err
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -86,11 +86,24 @@ class ContextClient:
     """A workload process's CUDA context on one simulated GPU. Its calls block as CUDA's
     do: a launch until its kernels are queued, a sync until the queue is empty."""
 
-    def __init__(self, socket_path: Path, gpu: int, share_percent: float = 100.0) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        gpu: int,
+        share_percent: float = 100.0,
+        *,
+        mps_pipe: str = "",
+        memory_limit_mib: int | None = None,
+    ) -> None:
         self._conn = Connection(socket_path)
         self.interrupted: Callable[[], bool] | None = None
+        request: dict[str, Any] = {"op": "open", "gpu": gpu, "share": share_percent}
+        if mps_pipe:
+            request["mps_pipe"] = mps_pipe
+        if memory_limit_mib is not None:
+            request["memory_limit_mib"] = memory_limit_mib
         try:
-            self.context = int(self._conn.call({"op": "open", "gpu": gpu, "share": share_percent})["context"])
+            self.context = int(self._conn.call(request)["context"])
         except SimulationError:
             self._conn.close()
             raise
@@ -123,6 +136,12 @@ class NodeClient:
 
     def truth(self) -> dict[str, Any]:
         return self._conn.call({"op": "truth"})
+
+    def node_info(self) -> dict[str, Any]:
+        return self._conn.call({"op": "node"})
+
+    def set_memory_limit(self, gpu: int, cgroup: str, mib: int | None) -> None:
+        self._conn.call({"op": "memlimit", "gpu": gpu, "cgroup": cgroup, "mib": mib})
 
     def post_event(self, gpu: int, kind: str, xid: int | None = None, detail: str = "") -> None:
         self._conn.call({"op": "event", "gpu": gpu, "kind": kind, "xid": xid, "detail": detail})

@@ -11,9 +11,17 @@ What it models (design notes §10):
   or is frozen: work already queued keeps executing until the queue is empty.
 - **Time-slicing** (default): contexts with queued work take turns of one timeslice
   (default 2 ms); work longer than a slice is preempted at its end and resumed
-  (compute preemption). **MPS** (per GPU, optional): clients run concurrently, each at
-  most at its active-thread percentage of the GPU, sharing fairly when the active ones
-  ask for more than the whole GPU (see :mod:`.schedule`).
+  (compute preemption). **MPS** (per GPU): clients run concurrently, each at most at its
+  active-thread percentage of the GPU, sharing fairly when the active ones ask for more
+  than the whole GPU (see :mod:`.schedule`). Either the whole GPU is in MPS mode from the
+  start (``EngineConfig.mps``), or an MPS server is attached (an MPS control daemon,
+  :meth:`GpuEngine.attach_mps_server`): then only its clients may open contexts (the GPU
+  is in EXCLUSIVE_PROCESS compute mode, as NVIDIA advises for MPS), and when it goes away
+  its clients' contexts go with it. A client may carry a pinned device-memory limit
+  (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``): an allocation over it fails.
+- **Driver memory limits per cgroup** (``nvmlDeviceSetMemoryLimits_v1``): an allocation
+  that would take the processes of a limited cgroup (and its descendants) over the limit
+  fails with out-of-memory; nothing is killed.
 - **Ground truth.** Exact GPU time per context and per GPU, to the instant asked.
 - **NVML's view.** Time is cut into sample periods (per model, 1/6 s by default). At the
   end of each, every context that ran gets one sample: pid, the period's end as a wall
@@ -22,12 +30,19 @@ What it models (design notes §10):
   ``sample_jitter_s`` (seeded) after their period ends, never before an earlier one.
   Device utilization is the share of the last finished period during which any context
   ran, visible at once. Memory is what each context allocated, within the GPU's size.
+  Under an attached MPS server NVML attributes the clients' work to the server process
+  (NVIDIA's MPS documentation: "All MPS client behavior will be attributed to the MPS
+  server process by system monitoring and accounting tools"): with ``mps_samples =
+  "server"`` (the default) one sample per period carries the server's pid and the
+  clients' sum; ``"client"`` gives each client its own sample instead (to compare; what
+  a given driver does is to be checked on a GPU). Memory stays per client, as
+  ``nvmlDeviceGetMPSComputeRunningProcesses`` reports it.
 
 Not modelled: memory-bandwidth or cache interference between contexts, SM placement and
 occupancy (a kernel uses the whole GPU, or its MPS share, for its duration), context
 switch cost, host-device copies as separate engines, clocks and power, MIG. Under MPS a
 client's sample is its share of the GPU's capacity; what a real driver reports per MPS
-client is to be checked on a GPU.
+client is to be checked on a GPU (see above).
 
 The engine keeps no clock of its own: every call passes ``now`` (seconds, one monotonic
 clock), so tests run it in virtual time. Nothing here blocks or burns CPU: work is
@@ -43,10 +58,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.errors import InvalidSpecError
+from agent.platform.gpu.sim.memory import check_allocation
 from agent.platform.gpu.sim.schedule import EPS, RoundRobin, Served, serve_concurrent
 from agent.platform.gpu.sim.spec import DEFAULT_SAMPLE_PERIOD_S
 
 MAX_SAMPLE_PERIOD_S = 1.0
+MPS_SAMPLES = ("server", "client")  # whom NVML credits with an MPS client's work
 SAMPLES_KEPT = 4096  # per GPU, like the driver's sample buffer
 
 
@@ -61,6 +78,8 @@ class EngineConfig:
     sample_jitter_s: float = 0.25  # ...plus up to this much more (uniform, seeded)
     queue_depth: int = 1024  # launches a context's queue holds before a launch blocks
     mps: bool = False  # clients run concurrently, each within its active-thread percentage
+    mps_samples: str = "server"  # under an attached MPS server: "server" or "client" samples
+    sm_count: int | None = 132  # MPS shares are whole TPCs of these SMs (None: as given)
     seed: int = 0
 
     def problems(self) -> list[str]:
@@ -78,6 +97,8 @@ class EngineConfig:
             found.append(f"sample jitter must be 0..30 s, got {self.sample_jitter_s:g} s")
         if not 1 <= self.queue_depth <= 1_000_000:
             found.append(f"queue depth must be 1..1000000 launches, got {self.queue_depth}")
+        if self.mps_samples not in MPS_SAMPLES:
+            found.append(f"MPS samples must be one of {', '.join(MPS_SAMPLES)}, got {self.mps_samples!r}")
         return found
 
     def validate(self) -> None:
@@ -107,10 +128,6 @@ class ContextTruth:
     memory_bytes: int
 
 
-class OutOfMemory(Exception):
-    """An allocation the GPU cannot hold (CUDA_ERROR_OUT_OF_MEMORY)."""
-
-
 @dataclass
 class Context:
     """One process's context on the GPU."""
@@ -119,6 +136,9 @@ class Context:
     pid: int
     start_ticks: int
     share: float = 1.0  # MPS active-thread fraction (0..1]
+    mps_client: bool = False  # runs under the GPU's attached MPS server
+    memory_limit: int | None = None  # bytes: MPS pinned device-memory limit
+    cgroup: str = ""  # the process's cgroup v2 directory (full path), for per-cgroup limits
     groups: collections.deque[list[float]] = field(default_factory=collections.deque)  # [count, seconds each]
     head_done: float = 0.0  # GPU time already spent on the first queued launch
     queued: int = 0
@@ -189,14 +209,59 @@ class GpuEngine:
         self._period_busy = 0.0
         self.busy_s = 0.0  # time with any context running
         self.work_s = 0.0  # GPU time executed, summed over contexts (= busy_s without MPS)
+        self.mps_server_pid: int | None = None  # an attached MPS server (control daemon)
+        self.cgroup_limits: dict[str, int] = {}  # cgroup directory -> bytes (driver limits)
+
+    @property
+    def mps(self) -> bool:
+        return self.config.mps or self.mps_server_pid is not None
 
     # Contexts -------------------------------------------------------------------------------
-    def create_context(self, pid: int, start_ticks: int, now: float, *, share: float = 1.0) -> Context:
+    def create_context(
+        self,
+        pid: int,
+        start_ticks: int,
+        now: float,
+        *,
+        share: float = 1.0,
+        mps_client: bool = False,
+        memory_limit: int | None = None,
+        cgroup: str = "",
+    ) -> Context:
         self.advance(now)
-        ctx = Context(self._next_cid, pid, start_ticks, share=min(1.0, max(0.01, share)))
+        ctx = Context(
+            self._next_cid,
+            pid,
+            start_ticks,
+            share=min(1.0, max(0.01, share)),
+            mps_client=mps_client,
+            memory_limit=memory_limit,
+            cgroup=cgroup,
+        )
         self._next_cid += 1
         self.contexts.append(ctx)
         return ctx
+
+    def attach_mps_server(self, pid: int, now: float) -> None:
+        """An MPS server serves this GPU from now on (its clients run concurrently)."""
+        self.advance(now)
+        self.mps_server_pid = pid
+
+    def detach_mps_server(self, now: float) -> list[Context]:
+        """The MPS server went away: its clients' contexts are destroyed (returned)."""
+        self.advance(now)
+        self.mps_server_pid = None
+        gone = [c for c in self.contexts if c.mps_client]
+        for ctx in gone:
+            self.destroy_context(ctx, now)
+        return gone
+
+    def set_cgroup_limit(self, cgroup: str, limit_bytes: int | None) -> None:
+        """The driver's hard memory limit for a cgroup's processes (None clears it)."""
+        if limit_bytes is None:
+            self.cgroup_limits.pop(cgroup, None)
+        else:
+            self.cgroup_limits[cgroup] = limit_bytes
 
     def destroy_context(self, ctx: Context, now: float) -> None:
         """The process exited (or was killed): its queued work is dropped, its memory freed."""
@@ -206,7 +271,9 @@ class GpuEngine:
         i = self.contexts.index(ctx)
         self.contexts.pop(i)
         if ctx.period_ran > 0:
-            self._departed_ran[ctx.pid] = self._departed_ran.get(ctx.pid, 0.0) + ctx.period_ran
+            server = self.mps_server_pid if self.config.mps_samples == "server" else None
+            pid = server if server is not None and ctx.mps_client else ctx.pid
+            self._departed_ran[pid] = self._departed_ran.get(pid, 0.0) + ctx.period_ran
         if i < self._slices.cursor or self._slices.cursor >= len(self.contexts):
             self._slices.cursor = max(0, self._slices.cursor - 1) if i < self._slices.cursor else 0
             self._slices.slice_left = self.config.timeslice_s
@@ -231,18 +298,21 @@ class GpuEngine:
         return take
 
     def allocate(self, ctx: Context, nbytes: int) -> None:
-        used = sum(c.memory_bytes for c in self.contexts)
-        if nbytes > 0 and used + nbytes > self.config.memory_bytes:
-            raise OutOfMemory(
-                f"out of memory on GPU {self.index}: {nbytes >> 20} MiB asked, "
-                f"{(self.config.memory_bytes - used) >> 20} MiB free"
+        if nbytes > 0:
+            check_allocation(
+                ctx,
+                nbytes,
+                gpu=self.index,
+                capacity=self.config.memory_bytes,
+                contexts=self.contexts,
+                cgroup_limits=self.cgroup_limits,
             )
         ctx.memory_bytes = max(0, ctx.memory_bytes + nbytes)
 
     # Time -----------------------------------------------------------------------------------
     def _serve(self, span: float, goals: Mapping[int, float] | None = None) -> Served:
         remaining = [c.pending for c in self.contexts]
-        if self.config.mps:
+        if self.mps:
             return serve_concurrent(remaining, [c.share for c in self.contexts], span, goals)
         if span == math.inf:  # a prediction: the schedule itself must not move
             return RoundRobin(self._slices.timeslice, self._slices.cursor, self._slices.slice_left).serve(
@@ -286,9 +356,11 @@ class GpuEngine:
         visible = max(self._last_visible, end + late)
         self._last_visible = visible
         ran = dict(self._departed_ran)
+        server = self.mps_server_pid if self.config.mps_samples == "server" else None
         for ctx in self.contexts:
             if ctx.period_ran > 0:
-                ran[ctx.pid] = ran.get(ctx.pid, 0.0) + ctx.period_ran
+                pid = server if server is not None and ctx.mps_client else ctx.pid
+                ran[pid] = ran.get(pid, 0.0) + ctx.period_ran
             ctx.period_ran = 0.0
         for pid, seconds in ran.items():
             if seconds > EPS:

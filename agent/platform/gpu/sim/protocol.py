@@ -7,9 +7,17 @@ A client sends requests ``{"op": ..., ...}`` and reads one reply per request, in
 Requests (a workload's connection is its CUDA context: closing it destroys the context and
 drops its queued work, as a process exit does):
 
-- ``open {gpu, share}``: make this connection a context on GPU ``gpu`` (``share``: the MPS
-  active-thread percentage the client read from its environment; 100 without MPS). The
-  server takes the pid from SO_PEERCRED. Reply ``{context}``.
+- ``open {gpu, share, mps_pipe, memory_limit_mib}``: make this connection a context on GPU
+  ``gpu`` (``share``: the MPS active-thread percentage the client read from its
+  environment, 100 when unset; ``mps_pipe``: its CUDA_MPS_PIPE_DIRECTORY, if set;
+  ``memory_limit_mib``: its pinned device-memory limit, if set). Both apply only under an
+  MPS server; while a server holds the GPU, only its clients (same pipe directory) may
+  open. The server takes the pid from SO_PEERCRED and the cgroup from /proc. Reply
+  ``{context, mps}``.
+- ``mps_attach {gpu, pipe}``: this connection is the GPU's MPS server (a control daemon
+  serving ``pipe``) until it closes; then its clients' contexts are destroyed.
+- ``memlimit {gpu, cgroup, mib}``: the driver's hard memory limit for a cgroup directory
+  (full path) and everything below it; ``mib`` null clears it.
 - ``launch {count, kernel_ms}`` / ``graph {kernels, kernel_ms}``: queue kernels / one graph;
   the reply comes once all are queued (at once while the queue has room).
 - ``sync``: the reply comes when the context's queue is empty.

@@ -26,10 +26,14 @@ from typing import Any
 
 from agent.errors import PlatformError, SimulationError
 from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.mpspartition import effective_share
 from agent.platform.gpu.sim.calls import BlockedCall
-from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine, OutOfMemory
+from agent.platform.gpu.sim.driverstate import DriverState
+from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine
+from agent.platform.gpu.sim.memory import OutOfMemory
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir
 from agent.platform.gpu.sim.protocol import LineBuffer, decode, encode
+from agent.platform.gpu.sim.replies import RequestError, gpu_field, int_field, poll_reply, truth_reply
 from agent.platform.procfs import ProcFS
 
 log = logging.getLogger(__name__)
@@ -38,10 +42,6 @@ MIB = 1 << 20
 BACKLOG = 256
 READ_SIZE = 65536
 _PEERCRED = struct.Struct("3i")
-
-
-class _RequestError(Exception):
-    """A request the server refuses; its text goes back to the client."""
 
 
 @dataclass
@@ -64,7 +64,16 @@ class Peer:
 class GpuServer:
     """Serves ``node``'s GPUs on ``<dir>/gpu.sock`` until :meth:`stop`."""
 
-    def __init__(self, node: SimNode, configs: Sequence[EngineConfig], root: SimNodeDir) -> None:
+    def __init__(
+        self,
+        node: SimNode,
+        configs: Sequence[EngineConfig],
+        root: SimNodeDir,
+        *,
+        memory_limits: bool = False,
+    ) -> None:
+        """``memory_limits``: the driver has per-cgroup memory limits (R615+); without, the
+        ``memlimit`` op fails as nvmlDeviceSetMemoryLimits_v1 does on an older driver."""
         if len(configs) != len(node.gpus):
             raise SimulationError(f"{len(configs)} engine configs for {len(node.gpus)} GPUs")
         self.node = node
@@ -80,6 +89,7 @@ class GpuServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._listener: socket.socket | None = None
+        self.driver = DriverState(self.engines, memory_limits=memory_limits, proc_root=self._procfs.root)
 
     # Lifecycle ------------------------------------------------------------------------------
     def listen(self) -> None:
@@ -194,7 +204,7 @@ class GpuServer:
             request = peer.requests.popleft()
             try:
                 reply = self._handle(peer, request)
-            except _RequestError as err:
+            except RequestError as err:
                 reply = {"ok": False, "error": str(err)}
             if reply is not None:
                 self._reply(peer, reply)
@@ -241,9 +251,17 @@ class GpuServer:
         if op in ("launch", "graph", "sync", "alloc"):
             return self._context_call(peer, op, request, now)
         if op == "poll":
-            return self._poll(request, now)
+            return poll_reply(self.engines, request, now)
+        if op == "mps_attach":
+            if peer.ctx is not None:
+                raise RequestError("this connection is already a context")
+            gpu = self.driver.attach(peer.sock.fileno(), peer.pid, request, now)
+            return {"ok": True, "gpu": gpu, "uuid": self.node.gpus[gpu].uuid}
+        if op == "memlimit":
+            self.driver.set_limit(request)
+            return {"ok": True}
         if op == "truth":
-            return self._truth(now)
+            return truth_reply(self.engines, now, self._wall_offset)
         if op == "event":
             return self._event(request, now)
         if op == "subscribe":
@@ -253,50 +271,66 @@ class GpuServer:
                     self._push(peer, {"gpu": engine.index, "kind": EventKind.LOST.value, "detail": "lost"})
             return None
         if op == "node":
-            return {"ok": True, "node_name": self.node.node_name, "gpus": len(self.engines)}
-        raise _RequestError(f"unknown op {op!r}")
+            return {
+                "ok": True,
+                "node_name": self.node.node_name,
+                "gpus": len(self.engines),
+                "memory_limits": self.driver.limits_supported,
+            }
+        raise RequestError(f"unknown op {op!r}")
 
     def _open(self, peer: Peer, request: dict[str, Any], now: float) -> dict[str, Any]:
         if peer.ctx is not None:
-            raise _RequestError("this connection already has a context")
-        gpu = _int(request, "gpu")
-        if not 0 <= gpu < len(self.engines):
-            raise _RequestError(f"no GPU {gpu}: the simulated node has GPUs 0..{len(self.engines) - 1}")
+            raise RequestError("this connection already has a context")
+        gpu = gpu_field(request, self.engines)
         engine = self.engines[gpu]
         if engine.lost:
-            raise _RequestError(f"GPU {gpu} is lost (fell off the bus)")
+            raise RequestError(f"GPU {gpu} is lost (fell off the bus)")
         share = float(request.get("share", 100))
         if not 0 < share <= 100:
-            raise _RequestError(f"share must be 1..100 percent, got {share}")
+            raise RequestError(f"share must be 1..100 percent, got {share}")
+        limit_mib = request.get("memory_limit_mib")
+        if limit_mib is not None and (not isinstance(limit_mib, int) or limit_mib < 0):
+            raise RequestError(f"memory_limit_mib must be a non-negative integer, got {limit_mib!r}")
+        client = self.driver.mps_client(gpu, str(request.get("mps_pipe") or ""))
         try:
             start_ticks = self._procfs.identity(peer.pid).start_ticks
         except PlatformError as err:
-            raise _RequestError(f"cannot identify the client process {peer.pid}: {err}") from err
+            raise RequestError(f"cannot identify the client process {peer.pid}: {err}") from err
         peer.gpu = gpu
-        peer.ctx = engine.create_context(peer.pid, start_ticks, now, share=share / 100)
-        return {"ok": True, "context": peer.ctx.cid, "pid": peer.pid}
+        peer.ctx = engine.create_context(
+            peer.pid,
+            start_ticks,
+            now,
+            # Without an MPS server the variable does nothing; with one, whole TPCs of SMs.
+            share=effective_share(share, engine.config.sm_count) if engine.mps else 1.0,
+            mps_client=client,
+            memory_limit=None if limit_mib is None or not engine.mps else limit_mib * MIB,
+            cgroup=self.driver.cgroup_of(peer.pid),
+        )
+        return {"ok": True, "context": peer.ctx.cid, "pid": peer.pid, "mps": engine.mps}
 
     def _context_call(
         self, peer: Peer, op: str, request: dict[str, Any], now: float
     ) -> dict[str, Any] | None:
         if peer.ctx is None:
-            raise _RequestError(f"{op} before open: no context on this connection")
+            raise RequestError(f"{op} before open: no context on this connection")
         engine = self.engines[peer.gpu]
         if engine.lost:
-            raise _RequestError(f"GPU {peer.gpu} is lost (fell off the bus)")
+            raise RequestError(f"GPU {peer.gpu} is lost (fell off the bus)")
         if op == "alloc":
             try:
-                engine.allocate(peer.ctx, _int(request, "mib") * MIB)
+                engine.allocate(peer.ctx, int_field(request, "mib") * MIB)
             except OutOfMemory as err:
-                raise _RequestError(str(err)) from err
+                raise RequestError(str(err)) from err
             return {"ok": True}
         if op == "sync":
             call = BlockedCall(sync=True)
         else:
-            count = _int(request, "count" if op == "launch" else "kernels")
+            count = int_field(request, "count" if op == "launch" else "kernels")
             kernel_s = float(request.get("kernel_ms", -1)) / 1000
             if count < 1 or not 0 <= kernel_s <= 3600:
-                raise _RequestError(f"{op}: count must be >= 1 and kernel_ms 0..3600000")
+                raise RequestError(f"{op}: count must be >= 1 and kernel_ms 0..3600000")
             call = (
                 BlockedCall(left=count, each_s=kernel_s)
                 if op == "launch"
@@ -312,60 +346,15 @@ class GpuServer:
         self._dirty.add(peer.gpu)
         return None
 
-    def _poll(self, request: dict[str, Any], now: float) -> dict[str, Any]:
-        since = request.get("since") or {}
-        if not isinstance(since, dict):
-            raise _RequestError("poll: since must map GPU indexes to µs timestamps")
-        gpus = []
-        for engine in self.engines:
-            after = int(since.get(str(engine.index), 0))
-            samples = [[s.pid, s.timestamp_us, s.sm_util] for s in engine.samples(after, now)]
-            gpus.append(
-                {
-                    "index": engine.index,
-                    "lost": engine.lost,
-                    "utilization": engine.device_utilization(now),
-                    "samples": samples,
-                    "memory": [[pid, used] for pid, used in engine.memory().items()],
-                }
-            )
-        return {"ok": True, "gpus": gpus}
-
-    def _truth(self, now: float) -> dict[str, Any]:
-        gpus = []
-        for engine in self.engines:
-            contexts = [
-                {
-                    "pid": c.pid,
-                    "start_ticks": c.start_ticks,
-                    "ran_s": c.ran_s,
-                    "queued": c.queued,
-                    "pending_s": c.pending_s,
-                    "memory_bytes": c.memory_bytes,
-                }
-                for c in engine.truth(now)
-            ]
-            gpus.append(
-                {
-                    "index": engine.index,
-                    "busy_s": engine.busy_s,
-                    "work_s": engine.work_s,
-                    "contexts": contexts,
-                }
-            )
-        return {"ok": True, "monotonic": now, "wall": now + self._wall_offset, "gpus": gpus}
-
     def _event(self, request: dict[str, Any], now: float) -> dict[str, Any]:
-        gpu = _int(request, "gpu")
-        if not 0 <= gpu < len(self.engines):
-            raise _RequestError(f"no GPU {gpu}: the simulated node has GPUs 0..{len(self.engines) - 1}")
+        gpu = gpu_field(request, self.engines)
         try:
             kind = EventKind(request.get("kind"))
         except ValueError as err:
-            raise _RequestError(f"event kind must be one of {[k.value for k in EventKind]}") from err
+            raise RequestError(f"event kind must be one of {[k.value for k in EventKind]}") from err
         xid = request.get("xid")
         if kind is EventKind.XID and not isinstance(xid, int):
-            raise _RequestError("an xid event needs an integer xid")
+            raise RequestError("an xid event needs an integer xid")
         detail = str(request.get("detail") or "injected")
         engine = self.engines[gpu]
         if kind in (EventKind.LOST, EventKind.RECOVERED):
@@ -417,16 +406,15 @@ class GpuServer:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(peer.sock)
             self._peers.pop(fd, None)
+        detached = self.driver.detach(fd, time.monotonic())
+        if detached is not None:
+            gpu, gone = detached
+            for ctx in gone:
+                self._fail_context(ctx, f"the MPS server of GPU {gpu} exited")
+            self._dirty.add(gpu)
         peer.sock.close()
         if peer.ctx is not None:
             self.engines[peer.gpu].destroy_context(peer.ctx, time.monotonic())
             peer.ctx = None
             self._dirty.add(peer.gpu)
         peer.call, peer.wake_at = None, math.inf
-
-
-def _int(request: dict[str, Any], name: str) -> int:
-    value = request.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _RequestError(f"{request.get('op')}: {name} must be an integer, got {value!r}")
-    return value

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agent.platform.gpu.sim.calls import BlockedCall
-from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine, OutOfMemory
+from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine
+from agent.platform.gpu.sim.memory import OutOfMemory
 from agent.platform.gpu.sim.programs import Alloc, GraphLaunch, Launch, Op, Program, Sleep, Sync
 
 MIB = 1 << 20
@@ -48,9 +49,12 @@ class VirtualNode:
         self._pids = itertools.count(1000)
         self._wakes: dict[int, dict[int, float]] = {}  # gpu -> cid -> predicted time (valid until dirty)
 
-    def spawn(self, gpu: int, program: Program, *, share: float = 1.0) -> VirtualProcess:
+    def spawn(
+        self, gpu: int, program: Program, *, share: float = 1.0, mps_client: bool = False
+    ) -> VirtualProcess:
+        """``mps_client``: a client of the GPU's attached MPS server, at ``share``."""
         pid = next(self._pids)
-        ctx = self.engines[gpu].create_context(pid, pid, self.now, share=share)
+        ctx = self.engines[gpu].create_context(pid, pid, self.now, share=share, mps_client=mps_client)
         proc = VirtualProcess(pid, gpu, program, ctx, wake_at=self.now)
         self.processes.append(proc)
         self._start(proc)

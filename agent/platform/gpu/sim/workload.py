@@ -38,6 +38,9 @@ from agent.platform.gpu.sim.programs import (
 log = logging.getLogger(__name__)
 
 MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_MEMORY_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+_UNITS = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,27 @@ def mps_share(environ: dict[str, str] | None = None) -> float:
     return value
 
 
+def mps_memory_limit_mib(environ: dict[str, str] | None = None) -> int | None:
+    """The pinned device-memory limit of the first visible device (index 0: the one GPU
+    the container sees) from ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` ("0=2048M,1=1G"), in MiB;
+    None when unset or not given for device 0."""
+    raw = (os.environ if environ is None else environ).get(MPS_MEMORY_ENV, "").strip()
+    if not raw:
+        return None
+    for item in raw.split(","):
+        device, sep, value = item.strip().partition("=")
+        if not sep:
+            raise InvalidSpecError(f"{MPS_MEMORY_ENV}={raw!r}: expected DEVICE=LIMIT items like 0=2048M")
+        if device.strip() != "0":
+            continue
+        text = value.strip().upper().removesuffix("B")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in "KMGT" and text[-1:] else (text, "")
+        if not number.isdigit():
+            raise InvalidSpecError(f"{MPS_MEMORY_ENV}={raw!r}: {value!r} is not a size like 2048M or 2G")
+        return int(int(number) * _UNITS[unit])
+    return None
+
+
 def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> WorkloadStats:
     """Open a context on the spec's GPU and run its pattern until ``stop`` or the duration
     ends; the context (and whatever it still had queued) goes with the connection."""
@@ -86,7 +110,13 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
     root = SimNodeDir(state_dir)
     root.read_node().gpu(spec.gpu)  # a clear error for a node or GPU that is not there
     stats = WorkloadStats()
-    ctx = ContextClient(root.socket, spec.gpu, mps_share())
+    ctx = ContextClient(
+        root.socket,
+        spec.gpu,
+        mps_share(),
+        mps_pipe=os.environ.get(MPS_PIPE_ENV, ""),
+        memory_limit_mib=mps_memory_limit_mib(),
+    )
     ctx.interrupted = stop.is_set
     driver = SimDriverCalls() if spec.driver_ioctls else None
     end = None if spec.duration_s is None else time.monotonic() + spec.duration_s

@@ -1,0 +1,265 @@
+"""MPS sharing on the node: which GPUs share through an MPS control daemon, the daemons'
+supervision, and each share's MPS limits, handed out at Allocate.
+
+In ``mps`` mode (``auto``: where the daemon command can run) a GPU's daemon is started at
+the first Allocate of a share on it, kept running (restarted when it dies) while the GPU
+holds shares, and stopped after ``idle_stop_s`` without any. A share gets
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for its ceiling (fixed-share: its cap; burst-share:
+its limit, 100 without one; best-effort: 100), rounded to whole TPCs as the hardware does
+(:mod:`agent.platform.gpu.mpspartition`), and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for its
+vcuda-memory. Whole GPUs never get a daemon. Whatever cannot have MPS (the command is
+missing, the daemon will not come up) is held by the freezer as before, and the reason is
+kept for status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.clock import Clock, SystemClock
+from agent.domain.ledger import Assignment
+from agent.domain.requests import ResolvedRequest
+from agent.domain.specs import EnforcementSpec
+from agent.errors import MpsUnavailableError
+from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.gpu.mpspartition import Partition, partition_for, sm_count_for
+from agent.platform.mpsdaemon import DaemonState, DaemonStatus, MpsDaemon, probe_command
+from agent.settings import SharingMode, SharingSettings
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+
+
+@dataclass(frozen=True)
+class MpsGrant:
+    """What one share was handed at Allocate."""
+
+    gpu: int
+    partition: Partition
+    memory_mib: int | None  # pinned device-memory limit (None: none)
+    pipe_dir: Path  # host path
+    log_dir: Path
+
+    def describe(self) -> str:
+        sms = (
+            f" = {self.partition.sms} SMs ({self.partition.effective_percent:g} %)"
+            if self.partition.sms
+            else ""
+        )
+        memory = f", {self.memory_mib} MiB pinned" if self.memory_mib else ""
+        return f"MPS {self.partition.percent} %{sms}{memory}"
+
+
+@dataclass(frozen=True)
+class GpuSharing:
+    """How one GPU's shares are held, and why."""
+
+    gpu: int
+    actuator: str  # "mps" or "freezer"
+    reason: str
+    daemon: DaemonStatus | None
+
+
+class MpsSharing:
+    def __init__(
+        self,
+        settings: SharingSettings,
+        *,
+        gpus: Sequence[GpuInfo],
+        command: Sequence[str],
+        mode: Callable[[], SharingMode],
+        spec_for: Callable[[Assignment], EnforcementSpec | None] = lambda _a: None,
+        shares_on: Callable[[int], int] | None = None,
+        live: Callable[[], frozenset[tuple[str, str]]] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self._gpus = {g.index: g for g in gpus}
+        self._mode = mode
+        self._spec_for = spec_for
+        self._shares_on = shares_on
+        self._live = live  # (pod uid, container) of every ledger entry: grants of others go
+        self._clock = clock or SystemClock()
+        self.command = list(command)
+        self.unavailable = probe_command(self.command)  # why MPS cannot run here; None: it can
+        self._daemons = {g.index: MpsDaemon(g.index, g.uuid, self.command, settings.mps_root) for g in gpus}
+        self._lock = threading.Lock()
+        self._idle_since: dict[int, float] = {}
+        self._grants_file = settings.mps_root / "grants.json"
+        self._grants: dict[str, MpsGrant] = self._load()
+        self._reported: set[str] = set()
+
+    # Allocate -------------------------------------------------------------------------------
+    def mode(self) -> SharingMode:
+        return self._mode()
+
+    def grant_for(self, item: ResolvedRequest, assignment: Assignment | None) -> MpsGrant | None:
+        """The MPS limits for one container of an Allocate; None: not an MPS client (whole
+        GPUs, freezer mode, MPS unavailable: the freezer holds it)."""
+        if item.whole or self.mode() is SharingMode.FREEZER:
+            return None
+        ceiling, memory = item.cores, None
+        spec = self._spec_for(assignment) if assignment is not None else None
+        if spec is not None:
+            ceiling, memory = spec.ceiling or 100, spec.memory_quota_mib
+        grant = self._grant(item.gpus[0], ceiling, memory)
+        if grant is not None and assignment is not None:
+            with self._lock:
+                self._grants[_key(assignment.pod_uid, assignment.container)] = grant
+                self._save()
+        return grant
+
+    def _grant(self, gpu: GpuInfo, ceiling: int, memory_mib: int | None) -> MpsGrant | None:
+        reason = self.why_not(gpu.index)
+        if reason is not None:
+            self._report(f"GPU {gpu.index}: no MPS ({reason}); its shares are held by the freezer")
+            return None
+        daemon = self._daemons[gpu.index]
+        with self._lock:
+            self._idle_since.pop(gpu.index, None)
+            try:
+                ready = daemon.wait_ready(self.settings.ready_timeout_s)
+            except MpsUnavailableError as err:
+                self._report(f"GPU {gpu.index}: no MPS ({err}); its shares are held by the freezer")
+                return None
+        if not ready:
+            log.warning(
+                "GPU %d: the MPS control daemon is not up (%s); this share is held by the freezer",
+                gpu.index,
+                daemon.error or daemon.state,
+            )
+            return None
+        return MpsGrant(
+            gpu.index,
+            partition_for(ceiling, sm_count_for(gpu.model)),
+            memory_mib,
+            daemon.pipe_dir,
+            daemon.log_dir,
+        )
+
+    def why_not(self, gpu: int) -> str | None:
+        """Why this GPU's shares cannot use MPS now (None: they can)."""
+        if self.mode() is SharingMode.FREEZER:
+            return "sharing mode is freezer"
+        if self.unavailable is not None:
+            return self.unavailable
+        daemon = self._daemons[gpu]
+        if daemon.state is DaemonState.FAILED:
+            return daemon.error
+        return None
+
+    # Supervision ----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not self._clock.sleep(TICK_S, stop):
+            self.tick()
+
+    def tick(self) -> None:
+        """Restart dead daemons; stop those whose GPU has held no share for idle_stop_s."""
+        now = self._clock.monotonic()
+        with self._lock:
+            for index, daemon in self._daemons.items():
+                if daemon.state in (DaemonState.STOPPED, DaemonState.FAILED):
+                    continue
+                if self._shares_on is not None and self._shares_on(index) == 0:
+                    since = self._idle_since.setdefault(index, now)
+                    if now - since >= self.settings.idle_stop_s:
+                        log.info("GPU %d holds no share: stopping its MPS control daemon", index)
+                        daemon.stop()
+                        self._idle_since.pop(index, None)
+                        continue
+                else:
+                    self._idle_since.pop(index, None)
+                try:
+                    daemon.ensure(now)
+                except MpsUnavailableError as err:
+                    self._report(f"GPU {index}: no MPS ({err})")
+        if self._live is not None:
+            self.forget(set(self._live()))
+
+    def forget(self, keep: set[tuple[str, str]]) -> None:
+        """Drop the grants of containers no longer in the ledger."""
+        with self._lock:
+            stale = [k for k in self._grants if tuple(k.split("/", 1)) not in keep]
+            for k in stale:
+                del self._grants[k]
+            if stale:
+                self._save()
+
+    # Status ---------------------------------------------------------------------------------
+    def grant(self, pod_uid: str, container: str) -> MpsGrant | None:
+        with self._lock:
+            return self._grants.get(_key(pod_uid, container))
+
+    def gpus(self) -> list[GpuSharing]:
+        out = []
+        for index, daemon in sorted(self._daemons.items()):
+            reason = self.why_not(index)
+            if reason is not None:
+                out.append(GpuSharing(index, "freezer", reason, daemon.status()))
+            elif daemon.state is DaemonState.STOPPED:
+                out.append(
+                    GpuSharing(index, "mps", "no share on it yet: its daemon starts at the first", None)
+                )
+            else:
+                out.append(GpuSharing(index, "mps", f"control daemon {daemon.state}", daemon.status()))
+        return out
+
+    def daemon_statuses(self) -> list[DaemonStatus]:
+        return [d.status() for d in self._daemons.values()]
+
+    # Persistence ----------------------------------------------------------------------------
+    def _load(self) -> dict[str, MpsGrant]:
+        try:
+            raw = json.loads(self._grants_file.read_text())
+            return {
+                k: MpsGrant(
+                    int(v["gpu"]),
+                    Partition(int(v["percent"]), v.get("sms"), float(v["effective_percent"])),
+                    v.get("memory_mib"),
+                    Path(v["pipe_dir"]),
+                    Path(v["log_dir"]),
+                )
+                for k, v in raw.items()
+            }
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("ignoring unreadable MPS grants in %s: %s", self._grants_file, err)
+            return {}
+
+    def _save(self) -> None:
+        data = {
+            k: {
+                "gpu": g.gpu,
+                "percent": g.partition.percent,
+                "sms": g.partition.sms,
+                "effective_percent": g.partition.effective_percent,
+                "memory_mib": g.memory_mib,
+                "pipe_dir": str(g.pipe_dir),
+                "log_dir": str(g.log_dir),
+            }
+            for k, g in self._grants.items()
+        }
+        try:
+            self._grants_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._grants_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self._grants_file)
+        except OSError as err:
+            self._report(f"cannot record MPS grants in {self._grants_file}: {err}")
+
+    def _report(self, message: str) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            # auto falls back by design; mps was asked for and did not happen
+            log.log(logging.INFO if self.mode() is SharingMode.AUTO else logging.ERROR, "%s", message)
+
+
+def _key(pod_uid: str, container: str) -> str:
+    return f"{pod_uid}/{container}"

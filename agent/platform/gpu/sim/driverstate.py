@@ -1,0 +1,130 @@
+"""What the simulated driver keeps besides the engines: the MPS server serving each GPU (an
+attached control daemon's connection) and per-cgroup memory limits; and which cgroup a
+client process is in."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import PlatformError
+from agent.platform.cgroups.layout import detect_layout
+from agent.platform.gpu.sim.engine import Context, GpuEngine
+from agent.platform.gpu.sim.replies import RequestError, gpu_field
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MpsServer:
+    pid: int
+    pipe: str  # the control daemon's CUDA_MPS_PIPE_DIRECTORY
+    conn: int  # the fd of its connection
+
+
+class DriverState:
+    def __init__(self, engines: Sequence[GpuEngine], *, memory_limits: bool, proc_root: Path) -> None:
+        self._engines = engines
+        self.memory_limits = memory_limits
+        self._proc_root = proc_root
+        self._v2_root = _v2_root()
+        self._mps: dict[int, MpsServer] = {}
+
+    @property
+    def limits_supported(self) -> bool:
+        return self.memory_limits and self._v2_root is not None
+
+    # MPS ------------------------------------------------------------------------------------
+    def attach(self, conn: int, pid: int, request: dict[str, Any], now: float) -> int:
+        """The connection ``conn`` of process ``pid`` becomes the MPS server of a GPU."""
+        gpu = gpu_field(request, self._engines)
+        engine = self._engines[gpu]
+        pipe = request.get("pipe")
+        if not isinstance(pipe, str) or not pipe.startswith("/"):
+            raise RequestError(f"mps_attach: pipe must be an absolute directory, got {pipe!r}")
+        if engine.lost:
+            raise RequestError(f"GPU {gpu} is lost (fell off the bus)")
+        if gpu in self._mps:
+            raise RequestError(f"GPU {gpu} already has an MPS server (pid {self._mps[gpu].pid})")
+        if any(s.conn == conn for s in self._mps.values()):
+            raise RequestError("this connection is already an MPS server")
+        others = [c.pid for c in engine.contexts]
+        if others:
+            raise RequestError(
+                f"GPU {gpu} cannot go to EXCLUSIVE_PROCESS mode: processes {others} hold contexts on it"
+            )
+        engine.attach_mps_server(pid, now)
+        self._mps[gpu] = MpsServer(pid, pipe, conn)
+        log.info("GPU %d: MPS server pid %d attached (pipe directory %s)", gpu, pid, pipe)
+        return gpu
+
+    def detach(self, conn: int, now: float) -> tuple[int, list[Context]] | None:
+        """The connection closed: if it served a GPU, the GPU and its clients' contexts (gone)."""
+        gpu = next((g for g, s in self._mps.items() if s.conn == conn), None)
+        if gpu is None:
+            return None
+        server = self._mps.pop(gpu)
+        gone = self._engines[gpu].detach_mps_server(now)
+        log.info(
+            "GPU %d: MPS server pid %d went away; its %d clients' contexts are gone",
+            gpu,
+            server.pid,
+            len(gone),
+        )
+        return gpu, gone
+
+    def mps_client(self, gpu: int, pipe: str) -> bool:
+        """Whether a new context on ``gpu`` is a client of its MPS server; refuses one that
+        cannot run (EXCLUSIVE_PROCESS compute mode while a server holds the GPU)."""
+        server = self._mps.get(gpu)
+        if server is None:
+            return False
+        if pipe != server.pipe:
+            raise RequestError(
+                f"GPU {gpu} is in EXCLUSIVE_PROCESS mode for its MPS server (pid {server.pid}): only its "
+                f"clients may use it (CUDA_MPS_PIPE_DIRECTORY={server.pipe}), this one came with "
+                f"{pipe or 'no pipe directory'}"
+            )
+        return True
+
+    # Memory limits --------------------------------------------------------------------------
+    def set_limit(self, request: dict[str, Any]) -> None:
+        """``memlimit``: as nvmlDeviceSetMemoryLimits_v1 on this driver."""
+        if not self.memory_limits:
+            raise RequestError(
+                "nvmlDeviceSetMemoryLimits_v1: Function Not Found (the simulated driver predates "
+                "per-cgroup memory limits: start sim-gpu with --driver-memory-limits)"
+            )
+        if self._v2_root is None:
+            raise RequestError("nvmlDeviceSetMemoryLimits_v1: Not Supported (no cgroup v2 hierarchy)")
+        gpu = gpu_field(request, self._engines)
+        cgroup = request.get("cgroup")
+        if not isinstance(cgroup, str) or not cgroup.startswith("/"):
+            raise RequestError(f"memlimit: cgroup must be an absolute path, got {cgroup!r}")
+        mib = request.get("mib")
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, int) or mib < 0):
+            raise RequestError(f"memlimit: mib must be a non-negative integer or null, got {mib!r}")
+        self._engines[gpu].set_cgroup_limit(cgroup.rstrip("/"), None if mib is None else mib * MIB)
+
+    def cgroup_of(self, pid: int) -> str:
+        """The process's cgroup v2 directory as a full path ("" when unknown)."""
+        if self._v2_root is None:
+            return ""
+        try:
+            lines = (self._proc_root / str(pid) / "cgroup").read_text().splitlines()
+        except OSError:
+            return ""
+        rel = next((line[3:] for line in lines if line.startswith("0::")), None)
+        return "" if rel is None else str(self._v2_root / rel.lstrip("/")).rstrip("/")
+
+
+def _v2_root() -> Path | None:
+    try:
+        return detect_layout().v2_root
+    except PlatformError:
+        return None

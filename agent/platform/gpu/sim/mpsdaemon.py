@@ -1,0 +1,103 @@
+"""A stand-in for ``nvidia-cuda-mps-control -f`` on a simulated node (``vcuda-agent
+sim-mps-control``).
+
+It reads what the real control daemon reads: ``CUDA_VISIBLE_DEVICES`` (the GPU's UUID),
+``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``; it makes the pipe directory,
+listens on ``<pipe>/control``, writes ``nvidia-cuda-mps-control.pid`` there and
+``control.log`` in the log directory, and serves the GPU as its MPS server: it holds an
+``mps_attach`` connection to the node's GPU server, which from then on runs the GPU's
+contexts as MPS clients (active-thread percentage, pinned memory limit) and refuses
+contexts that do not come through this pipe directory (EXCLUSIVE_PROCESS). It runs in the
+foreground until SIGTERM/SIGINT, or until the GPU server goes away (exit 1).
+
+Not modelled: the control commands on the socket (``get_server_list``, ``quit``,
+``set_default_active_thread_percentage``...), MPS servers per user id, the server as a
+process of its own (the daemon's pid stands for the server's), /dev/shm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+
+from agent.errors import SimulationError
+from agent.platform.gpu.sim.client import Connection
+from agent.platform.gpu.sim.nodefile import SimNodeDir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
+DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
+PID_FILE = "nvidia-cuda-mps-control.pid"
+
+
+class _Stop(Exception):
+    pass
+
+
+def serve_mps(state_dir: Path, environ: Mapping[str, str]) -> int:
+    """Run the stand-in daemon until stopped; the exit status."""
+    uuid = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    pipe = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR)
+    logs = Path(environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIR)
+    root = SimNodeDir(state_dir)
+    node = root.read_node()
+    index = next((g.index for g in node.gpus if g.uuid == uuid), None)
+    if index is None or "," in uuid:
+        raise SimulationError(
+            f"CUDA_VISIBLE_DEVICES={uuid!r}: the stand-in MPS daemon serves exactly one GPU of "
+            f"{node.node_name}, named by its UUID ({', '.join(g.uuid for g in node.gpus)})"
+        )
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    control = pipe / "control"
+    control.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(control))
+    listener.listen(16)
+    (pipe / PID_FILE).write_text(f"{os.getpid()}\n")
+    with (logs / "control.log").open("a") as journal:
+
+        def note(text: str) -> None:
+            journal.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')} Control {os.getpid()}] {text}\n")
+            journal.flush()
+
+        gpu = Connection(root.socket)
+        try:
+            gpu.call({"op": "mps_attach", "gpu": index, "pipe": str(pipe)})
+            note(f"Starting control daemon using socket {control} for GPU {index} ({uuid})")
+            return _run(listener, gpu, note)
+        finally:
+            gpu.close()
+            listener.close()
+            control.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (pipe / PID_FILE).unlink()
+
+
+def _run(listener: socket.socket, gpu: Connection, note: Callable[[str], None]) -> int:
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        raise _Stop
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    try:
+        while True:
+            readable, _, _ = select.select([listener.fileno(), gpu.fileno()], [], [])
+            if listener.fileno() in readable:
+                conn, _ = listener.accept()
+                conn.close()  # no control commands are modelled
+            if gpu.fileno() in readable:
+                note("the GPU server went away: exiting")
+                return 1
+    except _Stop:
+        note("Shutting down")
+        return 0

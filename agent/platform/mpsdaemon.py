@@ -1,0 +1,273 @@
+"""One MPS control daemon per GPU, run and watched by the agent.
+
+Each daemon is ``<command> -f`` (foreground) with ``CUDA_VISIBLE_DEVICES`` set to its GPU's
+UUID, and its pipe and log directories under ``<root>/<uuid>/``: the pipe directory is what
+clients mount and name in ``CUDA_MPS_PIPE_DIRECTORY``. A daemon runs in a session of its own
+and is recorded (pid + start time) in ``<root>/<uuid>/daemon.json``, so that it outlives an
+agent restart (its clients would die with it) and the next agent adopts it instead of
+starting a second one. A daemon that dies is restarted with a growing back-off (1 s to 30 s);
+a command that cannot run at all, or dies three times in a row before its control socket
+comes up, is reported as failed and not retried (the shares are held by the freezer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import MpsUnavailableError, PlatformError, ProcessGoneError
+from agent.platform.procfs import ProcessIdentity, ProcFS
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+GIVE_UP_AFTER = 3  # starts in a row that died before their control socket came up
+STOP_WAIT_S = 5.0
+
+
+class DaemonState(enum.StrEnum):
+    STOPPED = "stopped"
+    RUNNING = "running"  # its control socket answers
+    STARTING = "starting"  # started, control socket not there yet
+    RESTARTING = "restarting"  # died; waiting out the back-off
+    FAILED = "failed"  # cannot run at all (the command is missing or not executable)
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    gpu: int
+    uuid: str
+    state: DaemonState
+    pid: int | None
+    restarts: int
+    error: str
+    pipe_dir: Path
+
+
+def probe_command(command: Sequence[str]) -> str | None:
+    """Why ``command`` cannot run here (None: it can)."""
+    if not command:
+        return "no MPS control daemon command is configured"
+    program = command[0]
+    found = (
+        shutil.which(program) if "/" not in program else (program if os.access(program, os.X_OK) else None)
+    )
+    if found is None:
+        return (
+            f"{program} not found or not executable "
+            "(install the NVIDIA compute utilities, or set --mps-control)"
+        )
+    return None
+
+
+class MpsDaemon:
+    """The control daemon of one GPU. Not thread-safe: one owner calls it."""
+
+    def __init__(
+        self,
+        gpu: int,
+        uuid: str,
+        command: Sequence[str],
+        root: Path,
+        *,
+        procfs: ProcFS | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.gpu, self.uuid = gpu, uuid
+        self._command = list(command)
+        self.home = root / uuid
+        self.pipe_dir = self.home / "pipe"
+        self.log_dir = self.home / "log"
+        self._record = self.home / "daemon.json"
+        self._procfs = procfs or ProcFS()
+        self._environ = dict(os.environ if environ is None else environ)
+        self._child: subprocess.Popen[bytes] | None = None
+        self._identity: ProcessIdentity | None = None
+        self.state = DaemonState.STOPPED
+        self.restarts = 0
+        self.error = ""
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self._exit_code: int | None = None
+        self._early_deaths = 0
+
+    def status(self) -> DaemonStatus:
+        pid = self._identity.pid if self._identity else None
+        return DaemonStatus(self.gpu, self.uuid, self.state, pid, self.restarts, self.error, self.pipe_dir)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is DaemonState.RUNNING
+
+    # Running --------------------------------------------------------------------------------
+    def ensure(self, now: float) -> DaemonState:
+        """Adopt a daemon a previous agent left, start one, or restart a dead one when its
+        back-off is over; then see whether its control socket is up."""
+        if self._identity is not None and not self._alive():
+            self._died(now)
+        if self.state is DaemonState.FAILED:
+            return self.state
+        if self._identity is None and self.state is not DaemonState.RESTARTING:
+            self._identity = self._adopt()
+            if self._identity is None:
+                self._start(now)
+        elif self.state is DaemonState.RESTARTING and now >= self._retry_at:
+            self._start(now)
+        if self._identity is not None and (self.pipe_dir / "control").exists():
+            if self.state is not DaemonState.RUNNING:
+                log.info(
+                    "GPU %d: MPS control daemon pid %d is up (%s)",
+                    self.gpu,
+                    self._identity.pid,
+                    self.pipe_dir,
+                )
+            self.state = DaemonState.RUNNING
+            self._backoff = BACKOFF_FIRST_S
+        return self.state
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Ensure it runs and wait up to ``timeout_s`` for its control socket."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.ensure(time.monotonic()) is DaemonState.RUNNING:
+                return True
+            if self.state is DaemonState.FAILED or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; checked by pid + start time."""
+        identity, self._identity = self._identity, None
+        self.state = DaemonState.STOPPED
+        self._record.unlink(missing_ok=True)
+        if identity is None or not self._procfs.is_alive(identity):
+            self._reap()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(identity.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline and self._procfs.is_alive(identity):
+            self._reap()
+            time.sleep(0.02)
+        if self._procfs.is_alive(identity):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(identity.pid, signal.SIGKILL)
+        self._reap()
+        log.info("GPU %d: MPS control daemon pid %d stopped", self.gpu, identity.pid)
+
+    def stop_recorded(self) -> bool:
+        """Stop the daemon its record names, if it still runs (a tear-down's clean-up)."""
+        self._identity = self._adopt()
+        if self._identity is None:
+            return False
+        self.stop()
+        return True
+
+    def _start(self, now: float) -> None:
+        for d in (self.pipe_dir, self.log_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        (self.pipe_dir / "control").unlink(missing_ok=True)  # a dead daemon's socket
+        env = {
+            **self._environ,
+            "CUDA_VISIBLE_DEVICES": self.uuid,
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+        try:
+            with (self.log_dir / "daemon.out").open("ab") as out:
+                child = subprocess.Popen(
+                    self._command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        except OSError as err:
+            self.state = DaemonState.FAILED
+            self.error = f"cannot run {self._command[0]}: {err.strerror or err}"
+            log.error("GPU %d: no MPS: %s", self.gpu, self.error)
+            raise MpsUnavailableError(self.error) from err
+        self._child = child
+        try:
+            self._identity = self._procfs.identity(child.pid)
+        except (PlatformError, ProcessGoneError):
+            self._identity = ProcessIdentity(child.pid, 0)
+        self._record.write_text(json.dumps({"pid": child.pid, "start_ticks": self._identity.start_ticks}))
+        self.state = DaemonState.STARTING
+        self._retry_at = now
+        log.info(
+            "GPU %d: started MPS control daemon pid %d: %s", self.gpu, child.pid, " ".join(self._command)
+        )
+
+    def _died(self, now: float) -> None:
+        self._reap()
+        code, self._exit_code = self._exit_code, None
+        self._identity = None
+        self._record.unlink(missing_ok=True)
+        self.error = f"exited{'' if code is None else f' with {code}'}: {self._tail()}".rstrip(": ")
+        self._early_deaths = self._early_deaths + 1 if self.state is DaemonState.STARTING else 0
+        if self._early_deaths >= GIVE_UP_AFTER:
+            self.state = DaemonState.FAILED
+            self.error = (
+                f"died {self._early_deaths} times before its control socket came up, last {self.error}"
+            )
+            log.error("GPU %d: no MPS: the control daemon %s", self.gpu, self.error)
+            return
+        self.restarts += 1
+        self.state = DaemonState.RESTARTING
+        self._retry_at = now + self._backoff
+        log.warning(
+            "GPU %d: MPS control daemon %s; restarting in %.0f s", self.gpu, self.error, self._backoff
+        )
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def _alive(self) -> bool:
+        assert self._identity is not None
+        self._reap()
+        return self._procfs.is_alive(self._identity)
+
+    def _adopt(self) -> ProcessIdentity | None:
+        try:
+            raw = json.loads(self._record.read_text())
+            identity = ProcessIdentity(int(raw["pid"]), int(raw["start_ticks"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not self._procfs.is_alive(identity):
+            self._record.unlink(missing_ok=True)
+            return None
+        log.info(
+            "GPU %d: adopted the MPS control daemon pid %d a previous agent started", self.gpu, identity.pid
+        )
+        self.state = DaemonState.STARTING
+        return identity
+
+    def _reap(self) -> int | None:
+        if self._child is None:
+            return None
+        code = self._child.poll()
+        if code is not None:
+            self._child, self._exit_code = None, code
+        return code
+
+    def _tail(self) -> str:
+        try:
+            lines = (self.log_dir / "daemon.out").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:200] if lines else ""
+
+
+def stop_recorded_daemons(root: Path, procfs: ProcFS | None = None) -> int:
+    """Stop every daemon recorded under ``root`` (pid + start time checked); how many. For
+    tear-downs: the agent itself leaves its daemons running across restarts."""
+    stopped = 0
+    for record in sorted(root.glob("*/daemon.json")):
+        if MpsDaemon(-1, record.parent.name, [], root, procfs=procfs).stop_recorded():
+            stopped += 1
+    return stopped

@@ -1,0 +1,118 @@
+"""Sharing mode mps on the simulated GPU engine with real containers: a real agent runs the
+GPU's MPS control daemon (the simulator's stand-in, a real process), hands each share its
+MPS limits at Allocate over real gRPC, and the GPU server runs the containers' real workload
+processes as MPS clients within those limits. A gpu_burn-like queue, which freezing cannot
+hold (test_enforcement.py), is held here. Also: the daemon killed and restarted, a missing
+daemon binary (the freezer holds the shares), and driver memory limits (an allocation over
+the quota fails; nothing is killed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, wait_for
+from agent.surfaces.statusclient import fetch_status
+from tests.integration.cgroup_trees import real_layout
+
+pytestmark = pytest.mark.privileged
+
+SETTLE_S = 3.0
+MEASURE_S = 10.0
+AGENT = ("--device-guard", "off", "--no-ioctl-tracing")
+
+
+@pytest.fixture
+def mps_node(short_dir: Path) -> Iterator[EnforcedNode]:
+    real_layout()  # skips, with the reason, where there are no cgroups to make
+    with enforced_node(short_dir, agent_args=(*AGENT, "--sharing-mode", "mps")) as node:
+        yield node
+
+
+def status(node: EnforcedNode) -> dict[str, Any]:
+    return fetch_status(node.state_dir / "status.sock")
+
+
+def rows(node: EnforcedNode) -> dict[str, dict[str, Any]]:
+    return {c["pod"]: c for c in status(node)["gpus"][0]["containers"]}
+
+
+def test_burn_is_held_by_mps_limits_handed_out_at_allocate(mps_node: EnforcedNode) -> None:
+    small = mps_node.run_pod("small", 30, extra=("--pattern", "burn"))
+    large = mps_node.run_pod("large", 60, extra=("--pattern", "burn"))
+    envs = dict(mps_node.responses["small"].envs)
+    assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "29"  # 38 of 132 SMs: whole TPCs within 30 %
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
+    mounts = {m.container_path: m.host_path for m in mps_node.responses["small"].mounts}
+    pipe = Path(mounts[envs["CUDA_MPS_PIPE_DIRECTORY"]])
+    assert (pipe / "control").exists()  # the GPU's daemon serves that pipe directory
+    time.sleep(SETTLE_S)
+    used_small, used_large = mps_node.utilization([small, large], MEASURE_S)
+    assert used_small == pytest.approx(30, abs=3), f"small: {used_small:.1f}%"
+    assert used_large == pytest.approx(60, abs=3), f"large: {used_large:.1f}%"
+    gpu = status(mps_node)["gpus"][0]
+    assert gpu["sharing"] == "mps" and gpu["mpsDaemon"]["state"] == "running"
+    held = wait_for(lambda: len(rows(mps_node)) == 2 and rows(mps_node), 10, "both pods in status")
+    assert held["small"]["computeHeldBy"] == "mps+freezer"
+    assert "38 SMs" in held["small"]["computeDetail"]
+    assert held["large"]["memoryHeldBy"] == "mps"
+    metrics = mps_node.metrics()
+    assert re.search(r'^vcuda_mps_daemon_up\{gpu="0",node="sim-node",uuid="GPU-[^"]+"\} 1\.0$', metrics, re.M)
+    assert 'compute="mps+freezer"' in metrics
+
+
+def test_a_killed_daemon_is_restarted_and_new_pods_get_mps_again(mps_node: EnforcedNode) -> None:
+    first = mps_node.run_pod("first", 30, extra=("--pattern", "burn"))
+    daemon = status(mps_node)["gpus"][0]["mpsDaemon"]
+    os.kill(daemon["pid"], signal.SIGKILL)
+    # Its clients go with their server, as CUDA clients of a dead MPS server do.
+    assert first.proc.wait(timeout=10) != 0
+
+    def restarted() -> dict[str, Any] | None:
+        state = status(mps_node)["gpus"][0]["mpsDaemon"]
+        return state if state["state"] == "running" and state["restarts"] == 1 else None
+
+    again = wait_for(restarted, 15, "the daemon restarted")
+    assert again["pid"] != daemon["pid"]
+    mps_node.run_pod("second", 30, extra=("--pattern", "burn"))
+    row = wait_for(lambda: rows(mps_node).get("second"), 10, "the second pod in status")
+    assert row["computeHeldBy"] == "mps+freezer"
+
+
+def test_without_a_daemon_binary_the_freezer_holds_and_status_says_why(short_dir: Path) -> None:
+    real_layout()
+    args = (*AGENT, "--sharing-mode", "mps", "--mps-control", "/nonexistent/nvidia-cuda-mps-control -f")
+    with enforced_node(short_dir, agent_args=args) as node:
+        node.run_pod("plain", 30)
+        assert not any(k.startswith("CUDA_MPS") for k in node.responses["plain"].envs)
+        gpu = status(node)["gpus"][0]
+        assert gpu["sharing"] == "freezer" and "/nonexistent/nvidia-cuda-mps-control" in gpu["sharingReason"]
+        row = wait_for(lambda: rows(node).get("plain"), 10, "the container in status")
+        assert row["computeHeldBy"] == "freezer" and "not found" in row["computeDetail"]
+        assert "no MPS" in node.agent_log()
+
+
+def test_over_a_driver_memory_limit_an_allocation_fails_and_nothing_is_killed(short_dir: Path) -> None:
+    real_layout()
+    with enforced_node(short_dir, gpu_args=("--driver-memory-limits",), agent_args=AGENT) as node:
+        grower = node.run_pod(
+            "grower",
+            30,
+            memory_mib=1024,
+            workload_mib=512,
+            extra=("--grow-to-mib", "2048", "--grow-after", "2"),
+        )
+        wait_for(lambda: rows(node).get("grower", {}).get("memoryHeldBy") == "driver", 10, "the driver limit")
+        code = grower.proc.wait(timeout=20)
+        assert code == 1  # CUDA's out-of-memory ended the program; not a signal
+        status_doc = status(node)
+        assert not any("killed" in a["action"] for a in status_doc["recentActions"])
+        assert "killed" not in node.agent_log()
