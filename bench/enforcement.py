@@ -32,7 +32,8 @@ Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infe
 (max_abs_error_pp and max_settle_s over every capped container of every pattern but burn),
 plus ``mps_max_abs_error_pp=... mps_burn_error_pp=... mps_max_shortfall_pp=...`` with
 --actuator mps/auto (every pattern, burn included; the burn rows alone; the most any scored
-container got below its expected use, i.e. below its guarantee).
+container got below its expected use, i.e. below its guarantee) and
+``mps_fixed_max_abs_error_pp=...`` (the fixed-share rows of every pattern).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def expected(boxes: list[Box], demand: float, on: list[float]) -> list[float]:
 class Row:
     line: str
     error_pp: float | None  # None: not scored (best-effort)
+    policy: str
     settle_s: float
     p99_ms: float | None
 
@@ -169,7 +171,9 @@ def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float,
         # alone may use it all and is never throttled: what it uses is what its workload
         # asks (an infer server's own gaps between requests are not an error of the cap).
         held = box.policy != "best-effort" and mean_exp < 100 * demand - 1e-9
-        rows.append(Row(line + ("" if held else " (not scored)"), err if held else None, settled, p99_ms))
+        rows.append(
+            Row(line + ("" if held else " (not scored)"), err if held else None, box.policy, settled, p99_ms)
+        )
     return rows
 
 
@@ -305,10 +309,17 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
     mps_result = ""
     if args.actuator != "freezer":  # every pattern, burn included; the burn rows alone
         worst_burn = max(burn, key=abs, default=0.0)
+        fixed = [
+            abs(r.error_pp)
+            for rs in rows.values()
+            for r in rs
+            if r.error_pp is not None and r.policy == "fixed-share"
+        ]
         mps_result = (
             f" mps_max_abs_error_pp={max(map(abs, every), default=0):.1f} mps_burn_error_pp={worst_burn:+.1f}"
             # how far any container fell below what it is owed (its guarantee), whatever others got
             f" mps_max_shortfall_pp={max((-e for e in every), default=0):.1f}"
+            f" mps_fixed_max_abs_error_pp={max(fixed, default=0):.1f}"
         )
     print(
         "RESULT "

@@ -108,7 +108,9 @@ def synthetic_state(n_gpus: int, per_gpu: int) -> dict[str, Collector]:
     views = {g.index: GpuView(g.index, 97.0, "nvml") for g in gpus}
     memory = {s.label: 3000 for s in specs}
     enforcement: Any = SimpleNamespace(
-        enforcer=SimpleNamespace(gpu_views=lambda: views, controls=lambda: controls, stats=loop),
+        enforcer=SimpleNamespace(
+            gpu_views=lambda: views, controls=lambda: controls, stats=loop, measured=lambda _c: True
+        ),
         memory=SimpleNamespace(
             usage_by_container=lambda: memory,
             gpu_used_mib=lambda _: 48000,

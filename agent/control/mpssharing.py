@@ -156,8 +156,23 @@ class MpsSharing:
 
     # Supervision ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        self.resume()
         while not self._clock.sleep(TICK_S, stop):
             self.tick()
+
+    def resume(self) -> None:
+        """At start: adopt the daemons a previous agent left running; the next ticks restart
+        any that died meanwhile on GPUs that still hold shares, or stop those that hold none."""
+        wanted = self.mode() is not SharingMode.FREEZER and self.unavailable is None
+        with self._lock:
+            for index, daemon in self._daemons.items():
+                if daemon.adopt_recorded() or not wanted or self._shares_on is None:
+                    continue
+                if self._shares_on(index) > 0:  # shares whose daemon died while no agent watched
+                    try:
+                        daemon.ensure(self._clock.monotonic())
+                    except MpsUnavailableError as err:
+                        self._report(f"GPU {index}: no MPS ({err})")
 
     def tick(self) -> None:
         """Restart dead daemons; stop those whose GPU has held no share for idle_stop_s."""

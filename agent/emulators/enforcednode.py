@@ -281,8 +281,10 @@ def enforced_node(
     finally:
         for agent in node.agents:
             stop_process(agent)
-        stop_recorded_daemons(workdir / "mps")  # the agent leaves its MPS daemons running, by design
         runtime.stop()
+        # The agent leaves its MPS daemons running, by design; after the workloads (their
+        # clients would fail with an MPS RPC error if their server went first).
+        stop_recorded_daemons(workdir / "mps")
         if node.gpu_server is not None:
             stop_process(node.gpu_server)
         kubelet.stop()

@@ -165,6 +165,13 @@ class MpsDaemon:
         self._reap()
         log.info("GPU %d: MPS control daemon pid %d stopped", self.gpu, identity.pid)
 
+    def adopt_recorded(self) -> bool:
+        """At agent start: take over the daemon a previous agent recorded, if it still runs."""
+        if self._identity is not None:
+            return True
+        self._identity = self._adopt()
+        return self._identity is not None
+
     def stop_recorded(self) -> bool:
         """Stop the daemon its record names, if it still runs (a tear-down's clean-up)."""
         self._identity = self._adopt()

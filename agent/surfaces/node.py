@@ -174,14 +174,14 @@ class NodeAgent:
             )
         policy = HealthPolicy(self.settings.health.ignored_xids)
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
-        self.supervisor.spawn("mps", self.sharing.run)
-        log.info("sharing mode %s%s", self.sharing.mode(), _mps_note(self.sharing))
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
         if self.host is not None:
             self.host.start(self.supervisor)
         if self.kube is not None:
             self.kube.start(self.supervisor)  # the ledger is rebuilt before kubelet can Allocate
+        log.info("sharing mode %s%s", self.sharing.mode(), _mps_note(self.sharing))
+        self.supervisor.spawn("mps", self.sharing.run)  # after the rebuild: it knows the shares
         if self.enforcement is not None:
             self.enforcement.start(self.supervisor)  # thaws what a previous run left frozen first
         self.endpoint.start()

@@ -19,7 +19,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = ("deploy", "deploy/overlays/monitoring", "deploy/overlays/cdi", "deploy/overlays/scheduler")
+KUSTOMIZATIONS = (
+    "deploy",
+    "deploy/overlays/monitoring",
+    "deploy/overlays/cdi",
+    "deploy/overlays/scheduler",
+    "deploy/overlays/mps",
+)
 SCHEMA_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we claim, and the newest schemas shipped
 AGENT = ("DaemonSet", "vcuda-agent")
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agent.domain.nodeconfig import load_config
-from agent.settings import DeviceListStrategy, Settings
+from agent.settings import DeviceListStrategy, Settings, SharingMode
 from agent.surfaces.cli.run import settings_from_args
 from tests.integration.deploy_render import (
     AGENT,
@@ -84,6 +84,14 @@ def test_the_agent_cli_accepts_the_daemonset_args(
     assert settings.plugin.driver_root_in_agent == Path("/host")
     assert settings.bpf.bpf_dir == Path("/opt/vcuda-agent/bpf")
     assert settings.metrics.enabled and settings.metrics.host == "0.0.0.0"
+
+
+def test_the_mps_overlay_runs_the_host_drivers_daemon_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = agent_settings(render("deploy/overlays/mps"), monkeypatch)
+    assert settings.sharing.mode is SharingMode.AUTO
+    assert settings.sharing.mps_control == ("chroot", "/host", "nvidia-cuda-mps-control", "-f")
+    assert settings.sharing.mps_root.is_relative_to(settings.enforcement.state_dir)  # on the state hostPath
+    assert agent_settings(render("deploy"), monkeypatch).sharing.mode is SharingMode.FREEZER
 
 
 def test_every_path_the_agent_uses_is_mounted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,8 +106,15 @@ def test_a_restarted_agent_adopts_the_running_daemon(node: Node) -> None:
     assert first.grant_for(share(), None) is not None
     pid = daemon_pid(first)
     second = node.agent()  # the agent restarted: its clients must not lose their server
+    second.resume()
+    wait_state(second, DaemonState.RUNNING)  # watched from the start, before any Allocate
+    assert daemon_pid(second) == pid
     assert second.grant_for(share(), None) is not None
     assert daemon_pid(second) == pid
+    os.kill(pid, signal.SIGKILL)  # not its child, still restarted when it dies
+    wait_state(second, DaemonState.RESTARTING)
+    wait_state(second, DaemonState.RUNNING)
+    assert daemon_pid(second) != pid
 
 
 def test_a_gpu_without_shares_loses_its_daemon(node: Node) -> None:

@@ -132,7 +132,9 @@ def registry() -> CollectorRegistry:
     memory = {"team-a/fixed-a/worker": 3000, "team-a/burst/worker": 81000, "team-a/whole/worker": 0}
     used_mib = {0: 48000, 1: 0}
     enforcement: Any = SimpleNamespace(
-        enforcer=SimpleNamespace(gpu_views=lambda: views, controls=lambda: controls, stats=loop),
+        enforcer=SimpleNamespace(
+            gpu_views=lambda: views, controls=lambda: controls, stats=loop, measured=lambda _c: True
+        ),
         memory=SimpleNamespace(
             usage_by_container=lambda: memory,
             gpu_used_mib=used_mib.get,

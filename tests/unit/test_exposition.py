@@ -74,7 +74,9 @@ def test_a_scrape_shows_the_state_at_scrape_time() -> None:
     spec = scrape_state.SPECS[0]
     control = ContainerControl(spec=spec, key=spec.label, state=DutyState(duty=0.5), used=10.0, goal=20.0)
     controls = [control]
-    enforcer = SimpleNamespace(gpu_views=dict, controls=lambda: list(controls), stats=EnforcerStats())
+    enforcer = SimpleNamespace(
+        gpu_views=dict, controls=lambda: list(controls), stats=EnforcerStats(), measured=lambda _c: True
+    )
     memory = SimpleNamespace(
         usage_by_container=dict,
         gpu_used_mib=lambda _: None,

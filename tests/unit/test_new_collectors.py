@@ -168,7 +168,9 @@ def test_cgroup_index_is_cached_for_its_ttl() -> None:
 # NVML errors and legacy ------------------------------------------------------------------------
 def fake_enforcement(controls: list[ContainerControl], memory: dict[str, int]) -> Any:
     stats = EnforcerStats(measure_errors=3)
-    enforcer = SimpleNamespace(gpu_views=dict, controls=lambda: controls, stats=stats)
+    enforcer = SimpleNamespace(
+        gpu_views=dict, controls=lambda: controls, stats=stats, measured=lambda _c: True
+    )
     guard = SimpleNamespace(stats=dict)
     mem = SimpleNamespace(
         usage_by_container=lambda: memory,

@@ -254,8 +254,8 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mps-control",
         metavar="COMMAND",
-        help="the MPS control daemon command, run with -f per GPU (default: nvidia-cuda-mps-control; "
-        "with --simulate, the simulator's stand-in)",
+        help="the MPS control daemon's command line, run as given per GPU, in the foreground "
+        "(default: nvidia-cuda-mps-control -f; with --simulate, the simulator's stand-in)",
     )
     g.add_argument(
         "--mps-root",

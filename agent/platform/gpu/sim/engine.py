@@ -13,12 +13,13 @@ What it models (design notes §10):
   (default 2 ms); work longer than a slice is preempted at its end and resumed
   (compute preemption). **MPS** (per GPU): clients run concurrently, each at most at its
   active-thread percentage of the GPU, sharing fairly when the active ones ask for more
-  than the whole GPU (see :mod:`.schedule`). Either the whole GPU is in MPS mode from the
-  start (``EngineConfig.mps``), or an MPS server is attached (an MPS control daemon,
-  :meth:`GpuEngine.attach_mps_server`): then only its clients may open contexts (the GPU
-  is in EXCLUSIVE_PROCESS compute mode, as NVIDIA advises for MPS), and when it goes away
-  its clients' contexts go with it. A client may carry a pinned device-memory limit
-  (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``): an allocation over it fails.
+  than the whole GPU (see :mod:`.schedule`; a real H200 was seen to divide less fairly).
+  Either the whole GPU is in MPS mode from the start (``EngineConfig.mps``), or an MPS
+  server is attached (an MPS control daemon, :meth:`GpuEngine.attach_mps_server`): then
+  only its clients may open contexts (the GPU is in EXCLUSIVE_PROCESS compute mode, as
+  NVIDIA advises for MPS), and when it goes away its clients' contexts go with it. A
+  client may carry a pinned device-memory limit (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``): an
+  allocation over it fails.
 - **Driver memory limits per cgroup** (``nvmlDeviceSetMemoryLimits_v1``): an allocation
   that would take the processes of a limited cgroup (and its descendants) over the limit
   fails with out-of-memory; nothing is killed.
