@@ -25,9 +25,9 @@ def ran(engine: GpuEngine, now: float) -> dict[int, float]:
 
 def test_time_sliced_until_an_mps_server_attaches_then_concurrent_within_shares() -> None:
     engine = make_engine()
-    assert not engine.mps
+    before = engine.mps
     engine.attach_mps_server(SERVER, 0.0)
-    assert engine.mps
+    assert (before, engine.mps) == (False, True)
     a = engine.create_context(1, 10, 0.0, share=0.3, mps_client=True)
     b = engine.create_context(2, 20, 0.0, share=0.6, mps_client=True)
     engine.submit(a, 1000, 0.02, 0.0)  # burn-like: far more queued than a second holds
