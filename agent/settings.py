@@ -95,6 +95,7 @@ class CgroupSettings:
     device_guard: GuardMode = GuardMode.ENFORCE
     guard_interval_s: float = 2.0  # re-check (and re-attach) device rules this often
     own_pod_uid: str = ""  # the agent's own pod: never guarded (it needs /dev/nvidia* for NVML)
+    guard_exempt_namespaces: frozenset[str] = frozenset()  # where the exempt annotation counts
 
 
 @dataclass(frozen=True)

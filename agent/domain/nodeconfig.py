@@ -2,7 +2,8 @@
 
     {"nodeConfig": [{"name": "gpu-node-1", "deviceMemoryScaling": 0.9,
                      "containerRuntimeEndpoint": "/run/containerd/containerd.sock",
-                     "cgroupDriver": "systemd", "sharingMode": "auto"}]}
+                     "cgroupDriver": "systemd", "sharingMode": "auto",
+                     "allowedPolicies": ["fixed-share", "burst-share"], "maxLimitRatio": 1.0}]}
 
 Nodes that are not listed get the defaults. Parsing reports every invalid field
 with the node it belongs to, not just the first.
@@ -22,8 +23,18 @@ from agent.errors import ConfigError
 
 CGROUP_DRIVERS = ("systemd", "cgroupfs")
 SHARING_MODES = ("freezer", "mps", "auto")
+POLICIES = ("fixed-share", "burst-share", "best-effort")
+SAFE_POLICIES = ("fixed-share", "burst-share")  # what pods may pick unless the admin says more
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_NODE_FIELDS = ("name", "deviceMemoryScaling", "containerRuntimeEndpoint", "cgroupDriver", "sharingMode")
+_NODE_FIELDS = (
+    "name",
+    "deviceMemoryScaling",
+    "containerRuntimeEndpoint",
+    "cgroupDriver",
+    "sharingMode",
+    "allowedPolicies",
+    "maxLimitRatio",
+)
 _TOP_FIELDS = ("nodeConfig",)
 
 
@@ -36,6 +47,8 @@ class NodeConfig:
     container_runtime_endpoint: str | None = None  # e.g. unix:///run/containerd/containerd.sock
     cgroup_driver: str | None = None  # "systemd" or "cgroupfs"
     sharing_mode: str | None = None  # "freezer", "mps" or "auto"; None: the agent's --sharing-mode
+    allowed_policies: tuple[str, ...] = SAFE_POLICIES  # policies a pod annotation may pick
+    max_limit_ratio: float = 1.0  # a fixed-share cap is at most request x this (vcuda-core-limit)
 
 
 @dataclass(frozen=True)
@@ -120,9 +133,17 @@ def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | Non
     sharing = entry.get("sharingMode")
     if sharing is not None and sharing not in SHARING_MODES:
         problems.append(f"{where}: sharingMode must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
+    allowed = entry.get("allowedPolicies", list(SAFE_POLICIES))
+    if not isinstance(allowed, list) or not allowed or any(p not in POLICIES for p in allowed):
+        problems.append(
+            f"{where}: allowedPolicies must be a non-empty list of {', '.join(POLICIES)}, got {allowed!r}"
+        )
+    ratio = entry.get("maxLimitRatio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 1 <= ratio <= 100:
+        problems.append(f"{where}: maxLimitRatio must be a number from 1 to 100, got {ratio!r}")
     if len(problems) > before:
         return None
-    return NodeConfig(name, float(scaling), endpoint, driver, sharing)
+    return NodeConfig(name, float(scaling), endpoint, driver, sharing, tuple(allowed), float(ratio))
 
 
 def _valid_endpoint(value: Any) -> bool:

@@ -18,6 +18,7 @@ What a workload really got of its GPU is the GPU server's ground truth (``gpu_se
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import secrets
 import signal
@@ -43,6 +44,13 @@ from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.mpsdaemon import stop_recorded_daemons
 
 NODE = "sim-node"
+# The emulated admin lets pods pick every policy and any limit (the product's default bounds
+# are narrower: docs/security.md); tests of the bounds start the agent with their own config.
+PERMISSIVE_NODE = {
+    "name": NODE,
+    "allowedPolicies": ["fixed-share", "burst-share", "best-effort"],
+    "maxLimitRatio": 100,
+}
 
 
 def frozen(cgroup: Path) -> bool:
@@ -262,7 +270,10 @@ def enforced_node(
     workdir.mkdir(parents=True, exist_ok=True)
     kubelet_config = workdir / "kubelet-config.yaml"
     kubelet_config.write_text("cgroupDriver: cgroupfs\n")
+    node_config = workdir / "node-config.json"
+    node_config.write_text(json.dumps({"nodeConfig": [PERMISSIVE_NODE]}))
     args: tuple[str, ...] = ("--cgroup-root", str(root), "--kubelet-config", str(kubelet_config))
+    args += ("--config", str(node_config))
     api = FakeApiServer(bookmark_interval_s=0.5)
     api.start()
     api.create_node(NODE, labels={"nvidia-device-enable": "enable"})

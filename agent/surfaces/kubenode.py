@@ -17,7 +17,7 @@ from agent.control.supervisor import Supervisor
 from agent.domain.health import HealthBoard
 from agent.domain.ledger import Ledger
 from agent.domain.placement import Placer
-from agent.domain.specs import EnforcementSpec
+from agent.domain.specs import EnforcementSpec, SpecBounds
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import GpuInfo, Topology
 from agent.platform.kube.client import api_client
@@ -43,6 +43,7 @@ class KubeIntegration:
         board: HealthBoard,
         placer: Placer,
         scaling: Callable[[], float],
+        bounds: Callable[[], SpecBounds] = SpecBounds,
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -83,7 +84,9 @@ class KubeIntegration:
             annotator=self.annotator,
             node_name=node_name,
         )
-        self.specbook = SpecBook(self.ledger, self.pods, self.events, node_name, self.node_labels)
+        self.specbook = SpecBook(
+            self.ledger, self.pods, self.events, node_name, self.node_labels, bounds=bounds
+        )
         self.allocations.on_assigned.append(self.specbook.check_pod)
         self.pods.subscribe(self._on_pod_event)
         self.last_rebuild: RebuildReport | None = None

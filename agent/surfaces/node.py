@@ -15,6 +15,7 @@ from agent.control.supervisor import Supervisor
 from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
 from agent.domain.nodeconfig import ClusterConfig
 from agent.domain.placement import Placer
+from agent.domain.specs import SpecBounds
 from agent.errors import VcudaError
 from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.factory import open_backend
@@ -77,6 +78,7 @@ class NodeAgent:
                 board=self.board,
                 placer=placer,
                 scaling=lambda: self.config.node.device_memory_scaling,
+                bounds=lambda: SpecBounds.of(self.config.node),
             )
             self.service.allocations = self.kube.allocations
             self.service.recovery = self.kube.recovery
@@ -94,8 +96,7 @@ class NodeAgent:
         except VcudaError as err:  # the device plugin still serves; attribution and guard do not
             log.error("host integration unavailable (cgroups, eBPF, device guard): %s", err)
         if self.host is not None and self.kube is not None:
-            own = settings.cgroups.own_pod_uid
-            self.host.enable_guard(GuardTargets(self.kube.pods, self.kube.ledger, self.gpus, own))
+            self.host.enable_guard(guard_targets(self.kube, self.gpus, settings))
         self.enforcement: EnforcementIntegration | None = None
         if self.host is not None and self.kube is not None:
             self.enforcement = EnforcementIntegration(
@@ -211,3 +212,16 @@ def _mps_note(sharing: MpsSharing) -> str:
     if sharing.unavailable is not None:
         return f": MPS cannot run here ({sharing.unavailable}), shares are held by the freezer"
     return f": MPS control daemons ({' '.join(sharing.command)}) under {sharing.settings.mps_root}"
+
+
+def guard_targets(kube: KubeIntegration, gpus: Sequence[GpuInfo], settings: Settings) -> GuardTargets:
+    """The device guard's targets: the admin's exemptions, Events for refused ones."""
+    cgroups = settings.cgroups
+    return GuardTargets(
+        kube.pods,
+        kube.ledger,
+        gpus,
+        cgroups.own_pod_uid,
+        exempt_namespaces=cgroups.guard_exempt_namespaces,
+        events=kube.events,
+    )

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from agent.control.mpssharing import MpsSharing
-from agent.domain.ledger import Assignment
-from agent.domain.specs import EnforcementSpec, build_spec
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.settings import SharingMode, SharingSettings
 from agent.surfaces.kubenode import KubeIntegration
@@ -30,10 +28,6 @@ def build_sharing(
     if kube is None:
         return MpsSharing(settings, gpus=gpus, command=command, mode=mode)
 
-    def spec_for(assignment: Assignment) -> EnforcementSpec | None:
-        pod = kube.pods.get(assignment.pod_uid)
-        return build_spec(assignment, pod, kube.specbook.default_policy())
-
     def shares_on(index: int) -> int:
         return sum(1 for holder in kube.ledger.usage(index).holders if not holder.whole)
 
@@ -42,7 +36,7 @@ def build_sharing(
         gpus=gpus,
         command=command,
         mode=mode,
-        spec_for=spec_for,
+        spec_for=kube.specbook.spec_for,
         shares_on=shares_on,
         live=kube.ledger.keys,
     )

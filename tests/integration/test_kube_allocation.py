@@ -138,6 +138,35 @@ def test_bad_annotations_give_events_and_the_safe_default(start_agent: Start, cl
     assert agent.proc.poll() is None
 
 
+def test_a_tenant_cannot_pick_best_effort_or_a_cap_above_its_request_by_default(
+    start_agent: Start, cluster: Cluster
+) -> None:
+    """The default bounds (no node config): the escapes of issue J are cut back with Events."""
+    agent, port = start(start_agent, cluster)
+    cluster.node.run_pod(
+        pod_manifest("lazy", ("cuda", 10, GIB), annotations={"nvidia.com/vcuda-policy": "best-effort"})
+    )
+    cluster.node.run_pod(
+        pod_manifest("taker", ("cuda", 10, GIB), annotations={"nvidia.com/vcuda-core-limit": "100"})
+    )
+
+    def bounded() -> dict[str, str]:
+        return {
+            e["involvedObject"]["name"]: e["message"]
+            for e in cluster.api.events("default")
+            if e["reason"] == "GPUAnnotationBounded"
+        }
+
+    got = wait_until(lambda: len(bounded()) == 2 and bounded(), what="2 events")
+    assert "best-effort is not allowed on this node" in got["lazy"]
+    assert "capping at 10" in got["taker"]
+    text = scrape(port)
+    for name in ("lazy", "taker"):
+        assert metric(text, "vcuda_container_cap_ratio", pod=name) == pytest.approx(0.10)
+        assert metric(text, "vcuda_container_policy_info", pod=name, policy="fixed-share") == 1
+    assert agent.proc.poll() is None
+
+
 def test_watch_recovers_from_410_and_a_dropped_connection(start_agent: Start, cluster: Cluster) -> None:
     agent, _ = start(start_agent, cluster)
     cluster.node.run_pod(pod_manifest("before", ("cuda", 10, GIB)))

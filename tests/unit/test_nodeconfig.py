@@ -81,6 +81,11 @@ def test_empty_config_gives_defaults(text: str) -> None:
         pytest.param({"cgroupDriver": 1}, "cgroupDriver", id="cgroup-number"),
         pytest.param({"sharingMode": "hami"}, "sharingMode", id="sharing-unknown"),
         pytest.param({"sharingMode": True}, "sharingMode", id="sharing-bool"),
+        pytest.param({"allowedPolicies": []}, "allowedPolicies", id="policies-empty"),
+        pytest.param({"allowedPolicies": ["yolo"]}, "allowedPolicies", id="policies-unknown"),
+        pytest.param({"allowedPolicies": "best-effort"}, "allowedPolicies", id="policies-string"),
+        pytest.param({"maxLimitRatio": 0.5}, "maxLimitRatio", id="ratio-below-1"),
+        pytest.param({"maxLimitRatio": "2"}, "maxLimitRatio", id="ratio-string"),
         pytest.param(
             {"containerRuntimeEndpoint": "relative.sock"}, "containerRuntimeEndpoint", id="endpoint-relative"
         ),
@@ -220,3 +225,11 @@ def test_sharing_mode_per_node(mode: str) -> None:
     config = parse_config(json.dumps(one_node(sharingMode=mode)))
     assert config.for_node("gpu-node-1").sharing_mode == mode
     assert config.for_node("other").sharing_mode is None  # the agent's --sharing-mode
+
+
+def test_policy_bounds_per_node_default_to_the_safe_set() -> None:
+    config = parse_config(json.dumps(one_node(allowedPolicies=["fixed-share"], maxLimitRatio=2)))
+    node = config.for_node("gpu-node-1")
+    assert (node.allowed_policies, node.max_limit_ratio) == (("fixed-share",), 2.0)
+    other = config.for_node("other")
+    assert (other.allowed_policies, other.max_limit_ratio) == (("fixed-share", "burst-share"), 1.0)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agent.control.specbook import SpecBook
-from agent.domain.annotations import CORE_LIMIT
+from agent.domain.annotations import CORE_LIMIT, Policy
 from agent.domain.ledger import Assignment, Ledger
+from agent.domain.specs import SpecBounds
 from agent.platform.kube.pods import PodInfo
 from tests.unit.kubefixtures import container, make_gpus, make_pod
+
+ANY_LIMIT = SpecBounds(frozenset(Policy), 100.0)  # this test is about the cache, not the bounds
 
 
 class Pods:
@@ -48,7 +51,7 @@ def test_specs_follow_ledger_pod_and_label_changes_and_are_reused_otherwise() ->
     labels: dict[str, str] = {}
     ledger = Ledger(make_gpus(1))
     pods = Pods()
-    book = SpecBook(ledger, pods, Events(), "n", lambda: labels)
+    book = SpecBook(ledger, pods, Events(), "n", lambda: labels, bounds=lambda: ANY_LIMIT)
     pod = make_pod("a", container("c", 30, 1024))
     pods.by_uid[pod.uid] = pod
     ledger.assign(Assignment(pod.uid, "default", "a", "c", False, (0,), 30, 1024))
@@ -62,3 +65,21 @@ def test_specs_follow_ledger_pod_and_label_changes_and_are_reused_otherwise() ->
     assert [str(s.policy) for s in book.specs()] == ["burst-share"]
     ledger.release(pod.uid)
     assert book.specs() == []
+
+
+def test_a_pod_asking_beyond_the_bounds_gets_them_and_one_event_and_a_wider_config_applies() -> None:
+    ledger = Ledger(make_gpus(1))
+    pods = Pods()
+    events = Events()
+    bounds = SpecBounds()  # the defaults: fixed-share and burst-share, caps at the request
+    book = SpecBook(ledger, pods, events, "n", bounds=lambda: bounds)
+    pod = make_pod("a", container("c", 10, 1024), annotations={CORE_LIMIT: "100"})
+    pods.by_uid[pod.uid] = pod
+    ledger.assign(Assignment(pod.uid, "default", "a", "c", False, (0,), 10, 1024))
+    assert [s.cap for s in book.specs()] == [10]
+    book.check_pod(pod)  # Allocate and pod updates report too: still one Event
+    assert events.seen == ["GPUAnnotationBounded"]
+    bounds = SpecBounds(max_limit_ratio=3)  # the admin widened the node config
+    assert [s.cap for s in book.specs()] == [30]
+    spec = book.spec_for(ledger.assignments()[0])  # what Allocate hands MPS clients, bounded too
+    assert spec.cap == 30

@@ -6,7 +6,7 @@ import pytest
 
 from agent.domain.annotations import Policy
 from agent.domain.ledger import Assignment
-from agent.domain.specs import build_spec, node_policy
+from agent.domain.specs import SpecBounds, build_spec, node_policy
 from agent.platform.kube.pods import PodInfo
 from tests.unit.kubefixtures import container, make_pod
 
@@ -22,14 +22,49 @@ def test_a_share_without_annotations_is_capped_at_its_request_under_the_node_def
     assert spec.policy is Policy.BURST_SHARE and spec.problems == () and not spec.whole
 
 
-def test_limit_and_policy_annotations_apply() -> None:
+def test_limit_and_policy_annotations_apply_within_the_nodes_bounds() -> None:
     pod = make_pod(
         "p",
         container("c", 30, 2048),
         annotations={"nvidia.com/vcuda-core-limit": "80", "nvidia.com/vcuda-policy": "best-effort"},
     )
-    spec = build_spec(share_of(pod, cores=30), pod, Policy.FIXED_SHARE)
-    assert (spec.cap, spec.policy) == (80, Policy.BEST_EFFORT)
+    spec = build_spec(share_of(pod, cores=30), pod, Policy.FIXED_SHARE, SpecBounds(frozenset(Policy), 100))
+    assert (spec.cap, spec.policy, spec.bounded) == (80, Policy.BEST_EFFORT, ())
+
+
+def test_by_default_a_pod_cannot_choose_best_effort_nor_a_fixed_cap_above_its_request() -> None:
+    """The tenant escapes: best-effort is never throttled; a fixed-share limit of 100 on a
+    request of 10 takes the GPU the scheduler booked for others."""
+    greedy = make_pod("g", container("c", 10, 1024), annotations={"nvidia.com/vcuda-policy": "best-effort"})
+    spec = build_spec(share_of(greedy, cores=10), greedy, Policy.FIXED_SHARE)
+    assert (spec.policy, spec.cap) == (Policy.FIXED_SHARE, 10)
+    assert "not allowed on this node" in spec.bounded[0] and spec.problems == ()
+    taker = make_pod("t", container("c", 10, 1024), annotations={"nvidia.com/vcuda-core-limit": "100"})
+    spec = build_spec(share_of(taker, cores=10), taker, Policy.FIXED_SHARE)
+    assert (spec.policy, spec.cap) == (Policy.FIXED_SHARE, 10)
+    assert "capping at 10" in spec.bounded[0]
+    both = make_pod(
+        "b",
+        container("c", 10, 1024),
+        annotations={"nvidia.com/vcuda-policy": "best-effort", "nvidia.com/vcuda-core-limit": "100"},
+    )
+    spec = build_spec(share_of(both, cores=10), both, Policy.FIXED_SHARE, SpecBounds(max_limit_ratio=2.5))
+    assert (spec.policy, spec.cap, len(spec.bounded)) == (Policy.FIXED_SHARE, 25, 2)
+
+
+def test_burst_share_keeps_its_limit_and_the_node_default_is_the_admins() -> None:
+    """A burst-share limit only lowers its ceiling (without one it may use 100): nothing to
+    bound. A node labelled best-effort by the admin is not a pod's choice."""
+    pod = make_pod(
+        "p",
+        container("c", 10, 1024),
+        annotations={"nvidia.com/vcuda-policy": "burst-share", "nvidia.com/vcuda-core-limit": "60"},
+    )
+    spec = build_spec(share_of(pod, cores=10), pod, Policy.FIXED_SHARE)
+    assert (spec.policy, spec.cap, spec.ceiling, spec.bounded) == (Policy.BURST_SHARE, 60, 60, ())
+    plain = make_pod("q", container("c", 10, 1024))
+    spec = build_spec(share_of(plain, cores=10), plain, Policy.BEST_EFFORT)
+    assert (spec.policy, spec.bounded) == (Policy.BEST_EFFORT, ())
 
 
 @pytest.mark.parametrize(

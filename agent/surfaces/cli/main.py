@@ -115,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the agent's own pod, which the device guard leaves alone (default: $POD_UID)",
     )
     p.add_argument(
+        "--guard-exempt-namespaces",
+        metavar="NS[,NS]",
+        default="",
+        help="namespaces (the admin's, e.g. a DCGM exporter's) where a pod annotated "
+        "nvidia.com/vcuda-device-guard: exempt is left alone; elsewhere the annotation is refused "
+        "(default: none)",
+    )
+    p.add_argument(
         "--cgroup-root", default="/sys/fs/cgroup", metavar="DIR", help="cgroup mount (default /sys/fs/cgroup)"
     )
     p.add_argument(

@@ -84,6 +84,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             host_root=Path(args.host_root),
             device_guard=GuardMode(args.device_guard),
             own_pod_uid=args.own_pod_uid or os.environ.get("POD_UID", ""),
+            guard_exempt_namespaces=frozenset(
+                n.strip() for n in args.guard_exempt_namespaces.split(",") if n.strip()
+            ),
         ),
         bpf=BpfSettings(ioctl_tracing=not args.no_ioctl_tracing, bpf_dir=Path(args.bpf_dir)),
         kube=KubeSettings(
