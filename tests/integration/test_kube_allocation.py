@@ -30,6 +30,15 @@ def start(start_agent: Start, cluster: Cluster) -> tuple[AgentProcess, int]:
     return agent, agent.metrics_port()
 
 
+def event_messages(cluster: Cluster, reason: str) -> dict[str, str]:
+    """Pod name -> message of the Events with ``reason`` in namespace default."""
+    return {
+        e["involvedObject"]["name"]: e["message"]
+        for e in cluster.api.events("default")
+        if e["reason"] == reason
+    }
+
+
 def gpu_indexes(agent: AgentProcess, ids: list[str]) -> set[int]:
     uuids = {g.uuid: g.index for g in SimNodeDir(agent.sim_dir).read_node().gpus}
     return {uuids[decode(i).gpu_uuid] for i in ids}
@@ -123,11 +132,7 @@ def test_bad_annotations_give_events_and_the_safe_default(start_agent: Start, cl
         )
 
     def reasons() -> dict[str, str]:
-        return {
-            e["involvedObject"]["name"]: e["message"]
-            for e in cluster.api.events("default")
-            if e["reason"] == "InvalidGPUAnnotation"
-        }
+        return event_messages(cluster, "InvalidGPUAnnotation")
 
     got = wait_until(lambda: len(reasons()) == 4 and reasons(), what="4 events")
     assert "'abc' is not a number" in got["abc"] and "'250' is out of range" in got["big"]
@@ -151,11 +156,7 @@ def test_a_tenant_cannot_pick_best_effort_or_a_cap_above_its_request_by_default(
     )
 
     def bounded() -> dict[str, str]:
-        return {
-            e["involvedObject"]["name"]: e["message"]
-            for e in cluster.api.events("default")
-            if e["reason"] == "GPUAnnotationBounded"
-        }
+        return event_messages(cluster, "GPUAnnotationBounded")
 
     got = wait_until(lambda: len(bounded()) == 2 and bounded(), what="2 events")
     assert "best-effort is not allowed on this node" in got["lazy"]
