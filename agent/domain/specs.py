@@ -12,6 +12,7 @@ a policy the node does not allow becomes the node default, and a fixed-share cap
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -30,7 +31,13 @@ class SpecBounds:
 
     @classmethod
     def of(cls, node: NodeConfig) -> SpecBounds:
-        return cls(frozenset(Policy(p) for p in node.allowed_policies), node.max_limit_ratio)
+        return _bounds_of(node.allowed_policies, node.max_limit_ratio)
+
+
+@functools.lru_cache(maxsize=16)
+def _bounds_of(allowed: tuple[str, ...], ratio: float) -> SpecBounds:
+    # Asked at every control period and scrape; the node config changes at most on a reload.
+    return SpecBounds(frozenset(Policy(p) for p in allowed), ratio)
 
 
 @dataclass(frozen=True)

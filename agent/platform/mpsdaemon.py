@@ -51,7 +51,6 @@ class DaemonStatus:
     pid: int | None
     restarts: int
     error: str
-    pipe_dir: Path
 
 
 def probe_command(command: Sequence[str]) -> str | None:
@@ -103,11 +102,7 @@ class MpsDaemon:
 
     def status(self) -> DaemonStatus:
         pid = self._identity.pid if self._identity else None
-        return DaemonStatus(self.gpu, self.uuid, self.state, pid, self.restarts, self.error, self.pipe_dir)
-
-    @property
-    def ready(self) -> bool:
-        return self.state is DaemonState.RUNNING
+        return DaemonStatus(self.gpu, self.uuid, self.state, pid, self.restarts, self.error)
 
     # Running --------------------------------------------------------------------------------
     def ensure(self, now: float) -> DaemonState:
@@ -120,9 +115,9 @@ class MpsDaemon:
         if self._identity is None and self.state is not DaemonState.RESTARTING:
             self._identity = self._adopt()
             if self._identity is None:
-                self._start(now)
+                self._start()
         elif self.state is DaemonState.RESTARTING and now >= self._retry_at:
-            self._start(now)
+            self._start()
         if self._identity is not None and (self.pipe_dir / "control").exists():
             if self.state is not DaemonState.RUNNING:
                 log.info(
@@ -180,7 +175,7 @@ class MpsDaemon:
         self.stop()
         return True
 
-    def _start(self, now: float) -> None:
+    def _start(self) -> None:
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
         (self.pipe_dir / "control").unlink(missing_ok=True)  # a dead daemon's socket
@@ -207,7 +202,6 @@ class MpsDaemon:
             self._identity = ProcessIdentity(child.pid, 0)
         self._record.write_text(json.dumps({"pid": child.pid, "start_ticks": self._identity.start_ticks}))
         self.state = DaemonState.STARTING
-        self._retry_at = now
         log.info(
             "GPU %d: started MPS control daemon pid %d: %s", self.gpu, child.pid, " ".join(self._command)
         )

@@ -228,18 +228,18 @@ class EnforcementIntegration:
             memory_used_mib=memory.get(spec.label),
             memory_quota_mib=spec.memory_quota_mib,
             throttled=control.throttled,
-            compute_held_by=self.compute_holder(spec),
+            compute_held_by=self.compute_holder(control),
             memory_held_by=self.memory_holder(spec),
         )
 
-    def compute_holder(self, spec: EnforcementSpec) -> tuple[str, str]:
+    def compute_holder(self, control: ContainerControl) -> tuple[str, str]:
         """What holds the container's compute share, and how or why."""
+        spec = control.spec
         if spec.whole:
             return "none", "a whole GPU is never limited"
         grant = self.sharing.grant(spec.pod_uid, spec.container) if self.sharing is not None else None
         if grant is not None:
-            control = next((c for c in self.enforcer.controls() if c.spec.label == spec.label), None)
-            if control is not None and not self.enforcer.measured(control):
+            if not self.enforcer.measured(control):
                 # NVIDIA: NVML credits MPS clients' work to the MPS server.
                 return "mps+freezer", f"{grant.describe()}; no per-client samples (NVML credits the server)"
             return "mps+freezer", grant.describe()

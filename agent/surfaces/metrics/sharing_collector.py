@@ -56,9 +56,9 @@ class SharingCollector(Collector):
             "1 per container: what holds its compute share (compute) and its memory quota (memory)",
             labels=[*CONTAINER_LABELS, "compute", "memory"],
         )
-        for spec in (c.spec for c in self._enforcement.enforcer.controls()):
-            compute, _ = self._enforcement.compute_holder(spec)
-            memory, _ = self._enforcement.memory_holder(spec)
-            names = container_labels(self._node, spec)
+        for control in self._enforcement.enforcer.controls():
+            compute, _ = self._enforcement.compute_holder(control)
+            memory, _ = self._enforcement.memory_holder(control.spec)
+            names = container_labels(self._node, control.spec)
             held.add_metric([*(names[name] for name in CONTAINER_LABELS), compute, memory], 1.0)
         yield held
