@@ -234,3 +234,14 @@ class ExtenderSettings:
     max_per_gpu: int = 16  # containers per GPU at most
     stale_after_s: float = 90.0  # a node whose inventory heartbeat is older is not eligible
     reservation_ttl_s: float = 120.0  # a bind reservation the watch never confirms expires
+    # HTTPS: the server's certificate and key, and the CA that signs kube-scheduler's client
+    # certificate (the verbs need one). Without them only loopback or allow_plain_http serves.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    allow_plain_http: bool = False  # plain HTTP on a non-loopback address, by explicit choice
+    # Pods whose spec.schedulerName is not one of these are never bound (a forged /bind).
+    scheduler_names: tuple[str, ...] = ("default-scheduler", "vcuda-scheduler")
+    read_timeout_s: float = 10.0  # a request's headers and body, once it has begun
+    idle_timeout_s: float = 120.0  # a keep-alive connection between requests
+    max_connections: int = 64  # connections served at once; more are closed at accept

@@ -2,6 +2,9 @@
 
 1. Read the pod (its spec gives the demand; its resourceVersion the precondition). A pod
    bound already is refused, unless it is bound to this node by us (a retried bind: success).
+   So is one that is not Pending, is being deleted, or names a scheduler this extender does
+   not serve: /bind acts with the extender's rights, so it re-checks what kube-scheduler
+   would have (a forged request binds nothing).
 2. Reserve in the ExtenderView: GPUs are chosen and charged under the view's lock, so a
    concurrent filter or bind already sees them taken.
 3. PATCH ``predicate-gpu-idx-<i>`` (``-init-<i>``), ``predicate-time`` (UnixNano),
@@ -59,9 +62,16 @@ def bind_annotations(assignment: Assignment, predicate_time_ns: int) -> dict[str
 class Binder:
     """The bind flow of the module docstring."""
 
-    def __init__(self, view: ExtenderView, pods: PodApi) -> None:
+    def __init__(
+        self,
+        view: ExtenderView,
+        pods: PodApi,
+        *,
+        scheduler_names: tuple[str, ...] = ("default-scheduler", "vcuda-scheduler"),
+    ) -> None:
         self._view = view
         self._pods = pods
+        self._scheduler_names = scheduler_names
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> Assignment | None:
         """Bind the pod; returns the GPUs chosen (None for a pod without vcuda resources).
@@ -78,6 +88,7 @@ class Binder:
                 log.info("pod %s is bound to node %s already (a retried bind)", key, node)
                 return None
             raise BindError(f"pod {key} is bound to node {pod.node_name} already")
+        self._check_schedulable(pod)
         try:
             demand = pod_demand(pod)
         except SchedulingRequestError as err:
@@ -104,6 +115,17 @@ class Binder:
         self._view.confirm(uid)
         log.info("bound pod %s to node %s, GPUs %s", key, node, dict(assignment.gpus))
         return assignment
+
+    def _check_schedulable(self, pod: PodInfo) -> None:
+        if pod.deleting:
+            raise BindError(f"pod {pod.key} is being deleted")
+        if pod.phase != "Pending":
+            raise BindError(f"pod {pod.key} is {pod.phase}, not Pending")
+        if pod.scheduler_name not in self._scheduler_names:
+            raise BindError(
+                f"pod {pod.key} is scheduled by {pod.scheduler_name!r}; this extender binds only for "
+                f"{', '.join(self._scheduler_names)} (--scheduler-name)"
+            )
 
     def _create_binding(self, pod: PodInfo, node: str) -> None:
         try:

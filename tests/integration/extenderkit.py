@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import ssl
 import threading
 import time
 import urllib.error
@@ -24,7 +25,8 @@ from agent.emulators.apiserver import FakeApiServer
 from agent.platform.gpu.inventory import Link, TopologyLevel
 from agent.platform.kube.client import api_client
 from agent.platform.kube.podbinding import PodBindingClient
-from agent.surfaces.extender.server import ExtenderServer
+from agent.settings import ExtenderSettings
+from agent.surfaces.extender.server import ExtenderServer, ServerLimits
 from agent.surfaces.extender.service import ExtenderService
 from tests.integration.kubeapi import wait_until
 
@@ -119,20 +121,20 @@ def args_nodes(pod: Mapping[str, Any], nodes: Mapping[str, Any]) -> bytes:
     return json.dumps({"pod": pod, "nodes": nodes, "nodenames": None}).encode()
 
 
-def post(url: str, verb: str, body: bytes) -> tuple[int, Any]:
+def post(url: str, verb: str, body: bytes, *, tls: ssl.SSLContext | None = None) -> tuple[int, Any]:
     request = urllib.request.Request(
         f"{url}/{verb}", data=body, method="POST", headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=30, context=tls) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
 
 
-def get(url: str, path: str) -> tuple[int, str]:
+def get(url: str, path: str, *, tls: ssl.SSLContext | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"{url}{path}", timeout=10) as response:
+        with urllib.request.urlopen(f"{url}{path}", timeout=10, context=tls) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
@@ -166,6 +168,9 @@ def running_extender(
     max_per_gpu: int = 16,
     stale_after_s: float = 90.0,
     pods: PodBindingClient | None = None,
+    tls: ssl.SSLContext | None = None,
+    limits: ServerLimits | None = None,
+    scheduler_names: tuple[str, ...] = ExtenderSettings.scheduler_names,
 ) -> Iterator[Extender]:
     """The extender as ``vcuda-agent extender`` wires it, on a loopback port, synced."""
     api = api_client(kubeconfig, in_cluster=False)
@@ -175,8 +180,8 @@ def running_extender(
         gpu_policy=gpu_policy,
     )
     watch = ClusterWatch(api, view)
-    service = ExtenderService(view, Binder(view, pods or PodBindingClient(api)))
-    server = ExtenderServer("127.0.0.1", 0, service)
+    binder = Binder(view, pods or PodBindingClient(api), scheduler_names=scheduler_names)
+    server = ExtenderServer("127.0.0.1", 0, ExtenderService(view, binder), tls=tls, limits=limits)
     stop = threading.Event()
     thread = threading.Thread(target=watch.run, args=(stop,), daemon=True)
     thread.start()

@@ -32,7 +32,7 @@ from tests.integration.deploy_render import (
 BASE_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
 # The scheduler extender (deploy/base/extender.yaml) and its second scheduler's overlay.
 BASE_KINDS |= {"Deployment", "Service"}
-OVERLAY_KINDS = {"monitoring": {"ServiceMonitor"}, "scheduler": {"RoleBinding"}}
+OVERLAY_KINDS = {"monitoring": {"ServiceMonitor"}, "scheduler": {"RoleBinding", "NetworkPolicy"}}
 
 
 def agent_settings(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> Settings:

@@ -5,6 +5,9 @@ exactly what a running extender uses against the (fake) API server."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,12 +18,14 @@ from agent.domain.nodeinventory import INVENTORY_ANNOTATION
 from agent.emulators.apiserver import FakeApiServer
 from agent.surfaces.cli.extender import settings_from
 from agent.surfaces.cli.main import build_parser
+from agent.surfaces.extender.transport import server_context
 from tests.integration.deploy_render import Doc, one, render
 from tests.integration.extenderkit import bind_body, gpu_pod, inventory_text, post, running_extender
 from tests.integration.kubeapi import apiserver, wait_until
 from tests.integration.test_rbac import needed  # an API request -> the (resource, verb) RBAC needs
 
 __all__ = ["apiserver"]
+ROOT = Path(__file__).resolve().parents[2]
 # KubeSchedulerConfiguration v1 Extender fields (k8s.io/kube-scheduler/config/v1 types.go).
 EXTENDER_FIELDS = {
     "urlPrefix",
@@ -57,7 +62,8 @@ def test_the_extender_entry_reaches_the_service_and_its_verbs() -> None:
     assert set(entry) <= EXTENDER_FIELDS, set(entry) - EXTENDER_FIELDS
     url = urlsplit(entry["urlPrefix"])
     service = one(docs, "Service", "vcuda-extender")
-    assert url.scheme == "http" and not entry["enableHTTPS"]
+    assert url.scheme == "https" and entry["enableHTTPS"] is True
+    assert set(entry["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
     assert url.hostname == f"vcuda-extender.{service['metadata']['namespace']}.svc"
     [port] = service["spec"]["ports"]
     assert url.port == port["port"]
@@ -95,6 +101,79 @@ def test_the_extender_deployment_runs_what_the_cli_accepts() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert spec["template"]["spec"]["serviceAccountName"] == "vcuda-extender"
+    assert all(
+        p["httpGet"]["scheme"] == "HTTPS" for p in (container["readinessProbe"], container["livenessProbe"])
+    )
+
+
+def _secret_files(pod: Doc, container: Doc, mount_dir: PurePosixPath) -> tuple[str, str]:
+    """(Secret name, its mount) for the Secret volume mounted at ``mount_dir``."""
+    [mount] = [m for m in container["volumeMounts"] if PurePosixPath(m["mountPath"]) == mount_dir]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return str(volume["secret"]["secretName"]), str(mount["mountPath"])
+
+
+def _secrets_made_by_the_script() -> dict[str, dict[str, str]]:
+    """Secret name -> {key: the script's file} from make-certs.sh's `kubectl create secret` lines."""
+    text = (ROOT / "deploy/extender-tls/make-certs.sh").read_text().replace("\\\n", " ")
+    secrets: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        if "create secret generic" in line:
+            name = line.split("create secret generic", 1)[1].split()[0]
+            files = re.findall(r"--from-file=([\w.]+)=\"\$out/([\w.]+)\"", line)
+            secrets[name] = dict(files)
+    return secrets
+
+
+def test_the_extender_serves_https_with_the_secret_the_script_makes(tmp_path: Path) -> None:
+    """The Deployment's TLS flags point into a mounted Secret whose keys make-certs.sh writes;
+    with those files the server context builds (client CA included); the second scheduler
+    mounts the client Secret where its tlsConfig looks."""
+    docs = render("deploy/overlays/scheduler")
+    made = _secrets_made_by_the_script()
+    extender = one(docs, "Deployment", "vcuda-extender")["spec"]["template"]["spec"]
+    [container] = extender["containers"]
+    settings = settings_from(build_parser().parse_args([*container["command"][1:], *container["args"]]))
+    assert settings.tls_cert and settings.tls_key and settings.client_ca
+    paths = (settings.tls_cert, settings.tls_key, settings.client_ca)
+    assert len({PurePosixPath(p).parent for p in paths}) == 1
+    secret, mount = _secret_files(extender, container, PurePosixPath(settings.tls_cert).parent)
+    subprocess.run(
+        [str(ROOT / "deploy/extender-tls/make-certs.sh"), str(tmp_path)], check=True, capture_output=True
+    )
+    local = {p: tmp_path / made[secret][PurePosixPath(p).name] for p in paths}
+    tls = server_context(
+        replace(
+            settings,
+            tls_cert=local[settings.tls_cert],
+            tls_key=local[settings.tls_key],
+            client_ca=local[settings.client_ca],
+        )
+    )
+    assert tls is not None and tls.verify_mode.name == "CERT_OPTIONAL"
+    assert PurePosixPath(mount) == PurePosixPath(settings.tls_cert).parent
+    scheduler = one(docs, "Deployment", "vcuda-scheduler")["spec"]["template"]["spec"]
+    [kube_scheduler] = scheduler["containers"]
+    tls_config = scheduler_config(docs)["extenders"][0]["tlsConfig"]
+    client_dir = PurePosixPath(tls_config["certFile"]).parent
+    client_secret, _ = _secret_files(scheduler, kube_scheduler, client_dir)
+    names = {PurePosixPath(tls_config[k]).name for k in ("certFile", "keyFile", "caFile")}
+    assert names == set(made[client_secret]) and made[client_secret]["tls.crt"] == "client.crt"
+    assert made[secret]["tls.crt"] == "server.crt"
+
+
+def test_only_the_scheduler_reaches_the_extender() -> None:
+    docs = render("deploy/overlays/scheduler")
+    policy = one(docs, "NetworkPolicy", "vcuda-extender")
+    extender = one(docs, "Deployment", "vcuda-extender")["spec"]["template"]["metadata"]["labels"]
+    scheduler = one(docs, "Deployment", "vcuda-scheduler")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= extender.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    [source] = rule["from"]
+    assert source["podSelector"]["matchLabels"].items() <= scheduler.items()
+    assert not source["podSelector"]["matchLabels"].items() <= extender.items()  # not any pod of ours
+    assert [p["port"] for p in rule["ports"]] == [3456]
 
 
 def test_the_second_scheduler_reads_the_mounted_config() -> None:

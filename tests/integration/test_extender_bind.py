@@ -276,3 +276,45 @@ def test_init_containers_get_their_own_annotation(apiserver: FakeApiServer, exte
     assert bind(extender.url, pod, "gpu-four") == ""
     notes = pod_annotations(apiserver, pod)
     assert notes[predicate_key(0, True)].isdigit() and notes[IDX0].isdigit()
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"phase": "Failed"}, "is Failed, not Pending"),
+        ({"metadata": {"deletionTimestamp": "2026-11-26T00:00:00Z"}}, "is being deleted"),
+        ({"spec": {"schedulerName": "tenant-scheduler"}}, "scheduled by 'tenant-scheduler'"),
+    ],
+)
+def test_bind_re_checks_the_pod_before_it_binds(
+    apiserver: FakeApiServer, extender: Extender, change: dict[str, Any], refusal: str
+) -> None:
+    """A forged /bind (the extender binds with its own rights) for a pod kube-scheduler would
+    never send: refused, nothing reserved, annotated or bound."""
+    pod = create(apiserver, "forged", 50, 1024)
+    if "phase" in change:
+        apiserver.set_pod_phase("default", "forged", change["phase"])
+    else:
+        apiserver.patch_pod("default", "forged", change)
+    assert refusal in bind(extender.url, pod, ONE)
+    assert node_of(apiserver, pod) == "" and IDX0 not in pod_annotations(apiserver, pod)
+    assert not extender.view.reservations() and used_cores(extender, ONE) == 0
+
+
+def test_bind_refuses_a_pod_that_does_not_fit(apiserver: FakeApiServer, extender: Extender) -> None:
+    first = create(apiserver, "first", 80, 1024)
+    assert bind(extender.url, first, ONE) == ""
+    second = create(apiserver, "second", 40, 1024)
+    assert "no longer fits node" in bind(extender.url, second, ONE)
+    assert node_of(apiserver, second) == "" and used_cores(extender, ONE) == 80
+
+
+def test_bind_serves_the_schedulers_it_is_told(apiserver: FakeApiServer, kubeconfig: Path) -> None:
+    with running_extender(apiserver, kubeconfig, scheduler_names=("gpu-scheduler",)) as ext:
+        default = create(apiserver, "default", 10, 512)
+        assert "scheduled by 'vcuda-scheduler'" in bind(ext.url, default, ONE)  # the fixture's
+        manifest = gpu_pod("ours", 10, 512)
+        manifest["spec"]["schedulerName"] = "gpu-scheduler"
+        ours = apiserver.create_pod(manifest)
+        assert bind(ext.url, ours, ONE) == ""
+        assert node_of(apiserver, ours) == ONE

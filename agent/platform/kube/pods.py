@@ -74,6 +74,7 @@ class PodInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     containers: tuple[ContainerInfo, ...] = ()  # init containers first, then app containers
     qos_class: str = "BestEffort"
+    scheduler_name: str = "default-scheduler"  # spec.schedulerName
 
     @property
     def key(self) -> str:
@@ -133,6 +134,7 @@ def _parse(obj: Mapping[str, Any]) -> PodInfo:
         labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
         containers=tuple(containers),
         qos_class=str(status.get("qosClass") or _qos_class(containers)),
+        scheduler_name=str(spec.get("schedulerName") or "default-scheduler"),
     )
 
 

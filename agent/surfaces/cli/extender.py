@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import ssl
 import threading
 from pathlib import Path
 from types import FrameType
@@ -16,12 +17,13 @@ from agent.control.extenderbind import Binder
 from agent.control.extenderview import ClusterWatch, ExtenderView
 from agent.domain.clusterbook import ClusterBook
 from agent.domain.schedrequest import PackPolicy
-from agent.errors import VcudaError
+from agent.errors import ConfigError, VcudaError
 from agent.platform.kube.client import api_client
 from agent.platform.kube.podbinding import PodBindingClient
 from agent.settings import ExtenderSettings
-from agent.surfaces.extender.server import ExtenderServer
+from agent.surfaces.extender.server import ExtenderServer, ServerLimits
 from agent.surfaces.extender.service import ExtenderService
+from agent.surfaces.extender.transport import server_context
 
 log = logging.getLogger(__name__)
 DEFAULTS = ExtenderSettings()
@@ -79,6 +81,27 @@ def add_parser(
         help="a node whose inventory heartbeat is older (seconds) is not eligible "
         f"(default {DEFAULTS.stale_after_s:g})",
     )
+    p.add_argument("--tls-cert", metavar="PATH", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", metavar="PATH", help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--client-ca",
+        metavar="PATH",
+        help="CA bundle (PEM) that signs kube-scheduler's client certificate; filter, prioritize "
+        "and bind need one (required with --tls-cert)",
+    )
+    p.add_argument(
+        "--allow-plain-http",
+        action="store_true",
+        help="serve plain HTTP on a non-loopback address (anyone who reaches it can bind pods)",
+    )
+    p.add_argument(
+        "--scheduler-name",
+        dest="scheduler_names",
+        action="append",
+        metavar="NAME",
+        help="bind only pods whose spec.schedulerName is NAME; repeat for several "
+        f"(default {', '.join(DEFAULTS.scheduler_names)})",
+    )
     p.set_defaults(func=main)
     return p
 
@@ -95,18 +118,32 @@ def settings_from(args: argparse.Namespace) -> ExtenderSettings:
     return ExtenderSettings(
         host=host,
         port=port,
-        kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None,
+        kubeconfig=_path(args.kubeconfig),
         node_policy=args.node_policy,
         gpu_policy=args.gpu_policy,
         max_per_gpu=args.max_per_gpu,
         stale_after_s=args.stale_after,
+        tls_cert=_path(args.tls_cert),
+        tls_key=_path(args.tls_key),
+        client_ca=_path(args.client_ca),
+        allow_plain_http=args.allow_plain_http,
+        scheduler_names=tuple(args.scheduler_names or DEFAULTS.scheduler_names),
     )
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text else None
 
 
 def main(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if settings.max_per_gpu < 1 or settings.stale_after_s <= 0:
         log.error("--max-per-gpu must be at least 1 and --stale-after positive")
+        return 2
+    try:
+        tls = server_context(settings)
+    except ConfigError as err:
+        log.error("%s", err)
         return 2
     stop = threading.Event()
 
@@ -116,14 +153,14 @@ def main(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop)
     try:
-        serve(settings, stop)
+        serve(settings, stop, tls)
     except VcudaError as err:
         log.error("%s", err)
         return 1
     return 0
 
 
-def serve(settings: ExtenderSettings, stop: threading.Event) -> None:
+def serve(settings: ExtenderSettings, stop: threading.Event, tls: ssl.SSLContext | None = None) -> None:
     """Watch the cluster and serve the extender until ``stop`` is set."""
     api = api_client(settings.kubeconfig, in_cluster=settings.kubeconfig is None)
     book = ClusterBook(max_per_gpu=settings.max_per_gpu, stale_after_s=settings.stale_after_s)
@@ -134,8 +171,10 @@ def serve(settings: ExtenderSettings, stop: threading.Event) -> None:
         reservation_ttl_s=settings.reservation_ttl_s,
     )
     watch = ClusterWatch(api, view)
+    binder = Binder(view, PodBindingClient(api), scheduler_names=settings.scheduler_names)
+    limits = ServerLimits(settings.read_timeout_s, settings.idle_timeout_s, settings.max_connections)
     server = ExtenderServer(
-        settings.host, settings.port, ExtenderService(view, Binder(view, PodBindingClient(api)))
+        settings.host, settings.port, ExtenderService(view, binder), tls=tls, limits=limits
     )
     watcher = threading.Thread(target=watch.run, args=(stop,), name="extender-watch", daemon=True)
     watcher.start()

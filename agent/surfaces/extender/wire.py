@@ -60,7 +60,7 @@ def may_want_gpu(body: bytes) -> bool:
 def _load_object(body: bytes, what: str) -> dict[str, Any]:
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise WireError(f"the {what} body is not JSON: {err}") from err
     if not isinstance(data, dict):
         raise WireError(f"the {what} body must be a JSON object, got {type(data).__name__}")
@@ -78,7 +78,7 @@ def parse_args(body: bytes) -> ExtenderArgs:
         items = raw_list.get("items") if isinstance(raw_list, dict) else None
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise WireError("ExtenderArgs.nodes must be a NodeList with an items list of Node objects")
-        names = tuple(str((i.get("metadata") or {}).get("name") or "") for i in items)
+        names = tuple(_node_name(i) for i in items)
         if not all(names):
             raise WireError("a Node in ExtenderArgs.nodes has no metadata.name")
         return ExtenderArgs(pod, names, tuple(items))
@@ -86,6 +86,11 @@ def parse_args(body: bytes) -> ExtenderArgs:
     if not isinstance(raw_names, list) or not all(isinstance(n, str) for n in raw_names):
         raise WireError("ExtenderArgs needs nodes (a NodeList) or nodenames (a list of node names)")
     return ExtenderArgs(pod, tuple(raw_names), None)
+
+
+def _node_name(node: dict[str, Any]) -> str:
+    meta = node.get("metadata")
+    return str(meta.get("name") or "") if isinstance(meta, dict) else ""  # not an object: no name
 
 
 def parse_binding(body: bytes) -> BindingArgs:
