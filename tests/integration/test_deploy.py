@@ -32,6 +32,8 @@ from tests.integration.deploy_render import (
 BASE_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
 # The scheduler extender (deploy/base/extender.yaml) and its second scheduler's overlay.
 BASE_KINDS |= {"Deployment", "Service"}
+# The node agent's node-scoped rights (deploy/base/node-scope-policy.yaml).
+BASE_KINDS |= {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 OVERLAY_KINDS = {"monitoring": {"ServiceMonitor"}, "scheduler": {"RoleBinding", "NetworkPolicy"}}
 
 
