@@ -41,6 +41,16 @@ class GpuLostError(GpuError):
         super().__init__(f"GPU {gpu_index} is lost: {detail}")
 
 
+class GpuHungError(GpuError):
+    """A call on the GPU did not return within its deadline (the driver is stuck): the GPU
+    is degraded until the call returns; ``call`` names the NVML function."""
+
+    def __init__(self, gpu_index: int, call: str, detail: str) -> None:
+        self.gpu_index = gpu_index
+        self.call = call
+        super().__init__(f"GPU {gpu_index}: {detail}")
+
+
 class NoSuchGpuError(GpuError):
     """A GPU index or UUID that the inventory does not have."""
 

@@ -6,8 +6,10 @@ annotations) through its watch handlers, as the informers would; then each round
 kube-scheduler does for one pod in nodeCacheCapable mode: POST /filter with every node name,
 then POST /prioritize with the nodes that passed, over one keep-alive HTTP connection to the
 real server on loopback, which runs in a process of its own (as it does in production: the
-client does not share its GIL). Side by side, interleaved, the same bodies handed straight to
-a service in this process (JSON decoding and the domain work, no HTTP) show what HTTP adds.
+client does not share its GIL). Side by side, interleaved: the same rounds over HTTPS with a
+client certificate (how deploy/ runs it; certificates from deploy/extender-tls/make-certs.sh),
+and the same bodies handed straight to a service in this process (JSON decoding and the
+domain work, no HTTP), which show what HTTP and TLS add.
 
     .venv/bin/python bench/extender.py [--rounds 300] [--nodes 1000] [--gpus 8] [--pods 5000]
 """
@@ -20,8 +22,12 @@ import json
 import multiprocessing
 import random
 import re
+import shutil
 import socket
+import ssl
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -36,10 +42,14 @@ from agent.domain.clusterbook import ClusterBook
 from agent.domain.nodeinventory import INVENTORY_ANNOTATION, GpuEntry, NodeInventory, encode
 from agent.platform.gpu.inventory import Link, TopologyLevel
 from agent.platform.kube.pods import PodInfo
+from agent.settings import ExtenderSettings
 from agent.surfaces.extender.server import ExtenderServer
 from agent.surfaces.extender.service import ExtenderService
+from agent.surfaces.extender.transport import server_context
 
-POD = Path(__file__).resolve().parents[1] / "tests/integration/extender_payloads/pod_share50.json"
+ROOT = Path(__file__).resolve().parents[1]
+POD = ROOT / "tests/integration/extender_payloads/pod_share50.json"
+MAKE_CERTS = ROOT / "deploy/extender-tls/make-certs.sh"
 
 
 class _NoApi:
@@ -113,26 +123,54 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def serve(args: argparse.Namespace, ports: Connection, stop: Event) -> None:
+def serve(args: argparse.Namespace, certs: Path, ports: Connection, stop: Event) -> None:
     """The extender in a process of its own, as in production: the client's work does not
-    compete with it for the GIL."""
+    compete with it for the GIL. Two servers on one view: plain HTTP and HTTPS."""
     view, _ = build_view(args.nodes, args.gpus, args.pods, args.seed)
-    with ExtenderServer("127.0.0.1", 0, ExtenderService(view, Binder(view, _NoApi()))) as server:
-        ports.send(server.address[1])
+    service = ExtenderService(view, Binder(view, _NoApi()))
+    tls = server_context(
+        ExtenderSettings(
+            tls_cert=certs / "server.crt", tls_key=certs / "server.key", client_ca=certs / "ca.crt"
+        )
+    )
+    with (
+        ExtenderServer("127.0.0.1", 0, service) as plain,
+        ExtenderServer("127.0.0.1", 0, service, tls=tls) as secure,
+    ):
+        ports.send((plain.address[1], secure.address[1]))
         stop.wait()
 
 
-def connect(port: int) -> http.client.HTTPConnection:
+def connect(port: int, tls: ssl.SSLContext | None = None) -> http.client.HTTPConnection:
     """One keep-alive connection without Nagle, as Go's net/http client (kube-scheduler) has:
     http.client writes headers and a large body separately."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=tls)
+        if tls
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    )
     conn.connect()
     assert conn.sock is not None
     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
 
 
-def main() -> None:
+def connections(ports: tuple[int, int], certs: Path) -> tuple[http.client.HTTPConnection, ...]:
+    """(plain, HTTPS with kube-scheduler's client certificate) to the two servers."""
+    client = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    client.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
+    return connect(ports[0]), connect(ports[1], client)
+
+
+def post(via: http.client.HTTPConnection, verb: str, body: bytes) -> Any:
+    via.request("POST", f"/{verb}", body, {"Content-Type": "application/json"})
+    response = via.getresponse()
+    data = response.read()
+    assert response.status == 200, data[:200]
+    return json.loads(data)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,11 +179,17 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--pods", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=7)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     context = multiprocessing.get_context("fork")
     ports, child_end = context.Pipe()
     stop = context.Event()
-    child = context.Process(target=serve, args=(args, child_end, stop), daemon=True)
+    certs = Path(tempfile.mkdtemp(prefix="vcuda-bench-certs-"))
+    subprocess.run([str(MAKE_CERTS), str(certs), "127.0.0.1"], check=True, capture_output=True)
+    child = context.Process(target=serve, args=(args, certs, child_end, stop), daemon=True)
     child.start()
     started = time.perf_counter()
     view, names = build_view(args.nodes, args.gpus, args.pods, args.seed)
@@ -156,18 +200,11 @@ def main() -> None:
     filter_body = json.dumps({"pod": pod, "nodes": None, "nodenames": names}).encode()
     if not ports.poll(120):
         raise SystemExit("the extender process did not start")
-    conn = connect(ports.recv())
+    conn, secure = connections(ports.recv(), certs)
 
-    def post(verb: str, body: bytes) -> Any:
-        conn.request("POST", f"/{verb}", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read()
-        assert response.status == 200, data[:200]
-        return json.loads(data)
-
-    def over_http() -> int:
-        passed = post("filter", filter_body)["nodenames"]
-        post("prioritize", json.dumps({"pod": pod, "nodenames": passed}).encode())
+    def round_trip(via: http.client.HTTPConnection) -> int:
+        passed = post(via, "filter", filter_body)["nodenames"]
+        post(via, "prioritize", json.dumps({"pod": pod, "nodenames": passed}).encode())
         return len(passed)
 
     def in_process() -> int:
@@ -176,12 +213,16 @@ def main() -> None:
         return len(passed)
 
     try:
-        for _ in range(10):  # warm-up: connection, caches
-            over_http()
-            in_process()
-        runs: dict[str, list[float]] = {"http": [], "inprocess": []}
+        calls: dict[str, Callable[[], int]] = {
+            "http": lambda: round_trip(conn),
+            "https": lambda: round_trip(secure),
+            "inprocess": in_process,
+        }
+        for _ in range(10):  # warm-up: connections, caches
+            for call in calls.values():
+                call()
+        runs: dict[str, list[float]] = {label: [] for label in calls}
         fitting = 0
-        calls: dict[str, Callable[[], int]] = {"http": over_http, "inprocess": in_process}
         for _ in range(args.rounds):
             for label, call in calls.items():
                 t0 = time.perf_counter()
@@ -190,6 +231,8 @@ def main() -> None:
         server_ms = server_side_ms(conn)
     finally:
         conn.close()
+        secure.close()
+        shutil.rmtree(certs, ignore_errors=True)
         stop.set()
         child.join(timeout=10)
 
@@ -219,6 +262,7 @@ def report(runs: dict[str, list[float]], server_ms: float) -> None:
     print(f"server-side handler time, mean of filter + prioritize: {server_ms:.2f} ms")
     print(
         f"RESULT extender_p99_ms={percentile(runs['http'], 0.99):.2f} "
+        f"extender_https_p99_ms={percentile(runs['https'], 0.99):.2f} "
         f"inprocess_p99_ms={percentile(runs['inprocess'], 0.99):.2f}"
     )
 

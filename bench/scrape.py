@@ -92,6 +92,8 @@ def synthetic_state(n_gpus: int, per_gpu: int) -> dict[str, Collector]:
         gpu_list=lambda: gpus,
         gpu_health=lambda: {g.index: GpuHealth(True, "", 0.0) for g in gpus},
         endpoint_status=lambda: EndpointStatus(True, True, 1, 0, ""),
+        gpu_degraded=dict,
+        call_timeouts=dict,
     )
     kube = SimpleNamespace(
         node_name=NODE,
@@ -119,6 +121,7 @@ def synthetic_state(n_gpus: int, per_gpu: int) -> dict[str, Collector]:
             read_errors=0,
         ),
         watchdog_state=lambda: "running",
+        journal=SimpleNamespace(write_error=None),
     )
     escapes = {ESC_RM_ALLOC: 500, ESC_RM_CONTROL: 20_000, ESC_RM_FREE: 400}
     processes = {

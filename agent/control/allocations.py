@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from agent.control.annotator import Annotator
 from agent.control.kubeports import EventSink, PodSource
-from agent.domain.annotations import GPU_ASSIGNED, PREDICATE_NODE, PREDICATE_TIME, predicate_key
 from agent.domain.ids import IdTable
 from agent.domain.ledger import Assignment, Ledger
-from agent.domain.matching import Candidate, ProfileCache, candidates_in, match, next_gpu_container, steer
+from agent.domain.matching import Candidate, ProfileCache, candidates_in, match, placement_annotations, steer
 from agent.domain.placement import Placer
 from agent.domain.requests import ResolvedRequest, is_whole
 from agent.errors import AllocationError, InsufficientCapacityError, VcudaError
@@ -146,19 +145,7 @@ class Allocations:
         return candidates_in(ranked, self.ledger.keys(), size), len(pods)
 
     def _annotate(self, pod: PodInfo, item: Assignment) -> None:
-        container = pod.container(item.container)
-        updates: dict[str, str | None] = {}
-        if container is not None:
-            key = predicate_key(container.index, container.init)
-            value = ",".join(map(str, item.gpus))
-            if pod.annotations.get(key) != value:
-                updates[key] = value
-        if pod.annotations.get(PREDICATE_NODE) != self.node_name:
-            updates[PREDICATE_NODE] = self.node_name
-        if PREDICATE_TIME not in pod.annotations:
-            updates[PREDICATE_TIME] = str(time.time_ns())
-        if next_gpu_container(pod, self.ledger) is None:
-            updates[GPU_ASSIGNED] = "true"
+        updates = placement_annotations(pod, self.ledger, [item], self.node_name, time.time_ns())
         if updates:
             self._annotator.submit(pod, updates)
 

@@ -1,6 +1,14 @@
 """Writes pod annotations off the Allocate path: Allocate records the ledger at once and
 queues the PATCH here, so kubelet never waits on the API server. Failed writes are
-retried with back-off; a pod that is gone (404) is dropped."""
+retried with back-off; a pod that is gone (404) is dropped.
+
+While the API server does not answer, or answers 429 or 5xx (an outage, a restart, an
+overloaded server), a write is retried until it lands, however long that takes: giving up
+would lose an assignment the extender reads from these annotations. Writes queue behind it
+meanwhile; all of them wait for the same server. Other refusals (a 4xx: forbidden, invalid)
+are given up after ``max_attempts``. A run of failures is logged as one WARNING and one INFO
+when writes land again; the tries in between are DEBUG. Writes still queued when the agent
+dies are re-derived from the ledger at the next start (``LedgerRecovery.reannotate``)."""
 
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ class Annotator:
         self._busy = 0
         self.written = 0
         self.failed = 0
+        self._failing = 0  # failed tries since the last write that landed (the worker's thread)
 
     def submit(self, pod: PodInfo, annotations: Mapping[str, str | None]) -> None:
         with self._idle:
@@ -92,15 +101,30 @@ class Annotator:
                 if err.status == 404:
                     log.info("pod %s is gone; dropped its annotation update", where)
                     break
-                if write.attempts >= self._max_attempts or stop.is_set():
+                if stop.is_set() or (not _transient(err) and write.attempts >= self._max_attempts):
                     self.failed += 1
                     log.error("gave up annotating pod %s after %d tries: %s", where, write.attempts, err)
                     break
-                log.warning("annotating pod %s failed (try %d): %s", where, write.attempts, err)
+                self._failing += 1
+                if self._failing == 1 or not _transient(err):
+                    log.warning(
+                        "annotating pod %s failed (try %d): %s; retrying%s",
+                        where,
+                        write.attempts,
+                        err,
+                        " until the API server answers" if _transient(err) else "",
+                    )
+                else:
+                    log.debug("annotating pod %s failed (try %d): %s", where, write.attempts, err)
                 if self._clock.sleep(backoff, stop):
                     break
                 backoff = min(self._max_backoff_s, backoff * 2)
                 continue
+            if self._failing:
+                log.info(
+                    "annotations are written again (pod %s, after %d failed tries)", where, self._failing
+                )
+                self._failing = 0
             self.written += 1
             break
         self._done()
@@ -109,3 +133,8 @@ class Annotator:
         with self._idle:
             self._busy -= 1
             self._idle.notify_all()
+
+
+def _transient(err: KubeError) -> bool:
+    """No answer, throttled or a server-side failure: the same write will work later."""
+    return err.status is None or err.status == 429 or err.status >= 500

@@ -35,7 +35,7 @@ class ConfigWatch:
             return False
         try:
             text = self._path.read_text()
-        except OSError as err:
+        except (OSError, UnicodeDecodeError) as err:  # not UTF-8: as unreadable as a missing file
             log.error("config reload: cannot read %s (%s); keeping the current config", self._path, err)
             return False
         if text == self._text:

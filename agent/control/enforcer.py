@@ -9,7 +9,12 @@ Each control period (``period_s``), in one thread:
 3. thaw and freeze the throttled containers at the edges of their slices of the GPU's
    cycle (:mod:`agent.control.dutycycle`) that fall in this period, earliest first.
 
-A frozen container is thawed again within one cycle (at most ``max_cycle_s``).
+A frozen container is thawed again within one cycle (at most ``max_cycle_s``). A GPU
+whose readings are stale (a backend call stuck, reads failing: ``UsageMeter.stale``) has
+all its containers released (thawed, not held) until readings come back: the loop never
+holds a container on figures it does not have. A freeze that fails (the freeze journal
+cannot be written, the freezer refused) is skipped and undone: nothing stays paused that
+the journal may not list.
 The actuator (freezer or signals) is behind :class:`~agent.control.actuators.Actuator`;
 this loop does not know which. When the loop ends, for any reason, everything it froze is
 thawed. Time comes from a :class:`~agent.clock.Clock`, so tests drive it virtually.
@@ -30,11 +35,13 @@ from agent.domain.dutycontrol import DutyState, Gains, Measurement, Member, next
 from agent.domain.specs import EnforcementSpec
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
+from agent.platform.freezejournal import JournalError
 
 log = logging.getLogger(__name__)
 
 FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
 FREEZE_SLOT_S = 0.004  # actions due this close together share one wake-up
+NOT_FOUND = "the container's cgroup was not found (yet)"
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -63,6 +70,7 @@ class GpuView:
     device_percent: float | None
     source: str
     cycle_s: float = 0.0
+    stale: str | None = None  # why its containers are not held now (None: readings are fresh)
 
 
 @dataclass
@@ -115,6 +123,7 @@ class Enforcer:
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
         self._reported: set[tuple[int, str]] = set()
+        self._stale: dict[int, str] = {}  # GPUs whose containers are released, and why
         self.stats = EnforcerStats()
         # (container label, action, detail) when a container starts or stops being throttled
         self.on_action: list[Callable[[str, str, str], object]] = []
@@ -205,8 +214,15 @@ class Enforcer:
                 estimate = self.meter.estimate(gpu)
                 device = self.meter.estimators[gpu].device_mean()
                 cycle_s = self._cycles[gpu].length * self.period_s
-                self._views[gpu] = GpuView(gpu, device, estimate.source, cycle_s)
+                stale = self._note_stale(gpu, self.meter.stale(gpu))
+                self._views[gpu] = GpuView(gpu, device, estimate.source, cycle_s, stale)
                 controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
+                if stale is not None:
+                    for control in controls:  # fail safe: thawed and left alone
+                        control.goal = None
+                        self._release(control)
+                    throttled[gpu] = []
+                    continue
                 measured = {c.key: self._measure(gpu, c.key) for c in controls}
                 members = []
                 for control in controls:
@@ -229,6 +245,15 @@ class Enforcer:
                         self._mark(control, True)
         return throttled
 
+    def _note_stale(self, gpu: int, reason: str | None) -> str | None:
+        """Log when a GPU's readings go stale and when they come back."""
+        if reason is not None and gpu not in self._stale:
+            log.warning("GPU %d: readings are stale (%s): its containers run unthrottled", gpu, reason)
+            self._stale[gpu] = reason
+        elif reason is None and gpu in self._stale:
+            log.warning("GPU %d: readings are back (were: %s): caps held again", gpu, self._stale.pop(gpu))
+        return reason
+
     def _measure(self, gpu: int, key: str) -> Measurement | None:
         schedule = self._cycles[gpu]
         return self.meter.measure(gpu, key, schedule.length, schedule.phase, schedule.since_s)
@@ -249,20 +274,35 @@ class Enforcer:
             except VcudaError as err:
                 control.problem = str(err)
             if control.target is None:
-                control.problem = control.problem or "the container's cgroup was not found (yet)"
+                control.problem = control.problem or NOT_FOUND
                 return False
+            if control.problem == NOT_FOUND:
+                control.problem = ""
         return True
 
     # Acting -----------------------------------------------------------------------------------
     def _freeze(self, control: ContainerControl) -> None:
-        assert control.target is not None
+        target = control.target
+        assert target is not None
         try:
-            self.actuator.freeze(control.target)
+            self.actuator.freeze(target)
         except VcudaError as err:
+            self._undo_freeze(control, target)
             self._actuator_failed(control, "freeze", err)
             return
+        if control.problem:
+            log.warning("%s: frozen again (the last problem was: %s)", control.spec.label, control.problem)
+            control.problem = ""
         control.frozen, control.frozen_at = True, self._clock.monotonic()
         control.freezes += 1
+
+    def _undo_freeze(self, control: ContainerControl, target: ThrottleTarget) -> None:
+        """A failed freeze may have paused part of the container (signals: processes stopped
+        before a journal write failed): nothing the loop does not count as frozen stays so."""
+        try:
+            self.actuator.thaw(target)
+        except VcudaError as err:  # what it paused is in the journal: the watchdog's backstop
+            log.error("%s: undoing a failed freeze failed: %s", control.spec.label, err)
 
     def _thaw(self, control: ContainerControl) -> None:
         if not control.frozen or control.target is None:
@@ -303,6 +343,8 @@ class Enforcer:
                 self.actuator.release(control.target)
             except VcudaError as err:
                 self._actuator_failed(control, "release", err)
+            else:
+                control.problem = ""
 
     def _drop(self, control: ContainerControl) -> None:
         self._release(control)
@@ -321,9 +363,20 @@ class Enforcer:
 
     def _actuator_failed(self, control: ContainerControl, what: str, err: VcudaError) -> None:
         self.stats.actuator_errors += 1
-        control.problem = f"{what} failed: {err}"
+        problem = f"{what} failed: {err}"
+        # Once per episode: a freeze the journal refuses is retried every period.
+        level = logging.DEBUG if problem == control.problem else logging.WARNING
+        if isinstance(err, JournalError) and what == "freeze":
+            log.log(
+                level,
+                "%s: not frozen: %s; it runs unthrottled until the journal can be written",
+                control.spec.label,
+                err,
+            )
+        else:
+            log.log(level, "%s: %s failed: %s", control.spec.label, what, err)
+        control.problem = problem
         control.target = None  # looked up again next period (the container may have restarted)
-        log.warning("%s: %s failed: %s", control.spec.label, what, err)
 
     def _report(self, gpu: int, message: str) -> None:
         if (gpu, message) not in self._reported:

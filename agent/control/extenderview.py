@@ -121,7 +121,8 @@ class ExtenderView:
         if not force and old is not None and rv.isdigit() and old.isdigit() and int(rv) < int(old):
             return  # the request carries an older Node than the watch delivered
         self._node_rv[name] = rv
-        text = (meta.get("annotations") or {}).get(INVENTORY_ANNOTATION)
+        annotations = meta.get("annotations")  # from a request body: any JSON, not only an object
+        text = annotations.get(INVENTORY_ANNOTATION) if isinstance(annotations, dict) else None
         if text is None:
             self._book.set_node(name, None, NOT_MANAGED)
             return
@@ -271,7 +272,8 @@ def _asks_for_gpu(obj: Mapping[str, Any]) -> bool:
     if not isinstance(spec, Mapping):
         return False
     for key in ("initContainers", "containers"):
-        for container in spec.get(key) or ():
+        containers = spec.get(key)
+        for container in containers if isinstance(containers, list) else ():  # any JSON: skip, not crash
             resources = container.get("resources") if isinstance(container, Mapping) else None
             if not isinstance(resources, Mapping):
                 continue

@@ -34,6 +34,8 @@ from agent.settings import SharingMode, SharingSettings
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
+# What reading grants.json raises for any bytes in it (OverflowError: int(Infinity), float(10**400)).
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,8 @@ class MpsSharing:
             return {
                 k: MpsGrant(
                     int(v["gpu"]),
-                    Partition(int(v["percent"]), v.get("sms"), float(v["effective_percent"])),
-                    v.get("memory_mib"),
+                    Partition(int(v["percent"]), _int_or_none(v.get("sms")), float(v["effective_percent"])),
+                    _int_or_none(v.get("memory_mib")),
                     Path(v["pipe_dir"]),
                     Path(v["log_dir"]),
                 )
@@ -244,7 +246,7 @@ class MpsSharing:
             }
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        except _UNREADABLE as err:
             log.warning("ignoring unreadable MPS grants in %s: %s", self._grants_file, err)
             return {}
 
@@ -274,6 +276,12 @@ class MpsSharing:
             self._reported.add(message)
             # auto falls back by design; mps was asked for and did not happen
             log.log(logging.INFO if self.mode() is SharingMode.AUTO else logging.ERROR, "%s", message)
+
+
+def _int_or_none(value: object) -> int | None:
+    if value is None or type(value) is int:
+        return value
+    raise TypeError(f"{value!r} is not an integer or null")  # it would reach CUDA_MPS_* as is
 
 
 def _key(pod_uid: str, container: str) -> str:

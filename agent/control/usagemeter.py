@@ -7,6 +7,12 @@ own: from one of its cycle starts to a later one, the span at least the measurem
 and ending at the newest sample, so a long cycle's thawed and frozen parts are both counted
 in full whatever the phase of the samples. Without enough history yet (a fresh start, a
 cycle just lengthened) it is measured over the plain window ending at the newest sample.
+
+Against a backend that runs each GPU's calls on a worker of its own (``GuardedBackend``),
+the reads are not waited for beyond ``read_wait_s``: a GPU whose call hangs delays neither
+the other GPUs nor the period; its results are taken in whenever they come. A GPU with no
+successful read for ``stale_after_s`` is *stale*: the controller then holds none of its
+containers (it would act on figures it does not have), until readings come back.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar, runtime_checkable
 
 from agent.clock import Clock
 from agent.domain.dutycontrol import CLOCK_TOL_S, Gains, Measurement
@@ -25,6 +31,9 @@ from agent.platform.gpu.inventory import ProcessSample
 
 log = logging.getLogger(__name__)
 
+T_co = TypeVar("T_co", covariant=True)
+STALE_AFTER_S = 2.0  # as long as a backend call may take before its GPU is degraded
+
 
 class SampleSource(Protocol):
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]: ...
@@ -32,6 +41,25 @@ class SampleSource(Protocol):
     def device_utilization(self, index: int) -> int: ...
 
     def sample_period_s(self, index: int) -> float | None: ...
+
+
+class Pending(Protocol[T_co]):
+    def wait(self, timeout_s: float) -> bool: ...
+
+    def result(self) -> T_co: ...
+
+
+@runtime_checkable
+class SubmittingSource(SampleSource, Protocol):
+    """A source whose reads run on per-GPU workers: submitted now, collected when done."""
+
+    def submit_process_samples(self, index: int, since_us: int) -> Pending[list[ProcessSample]]: ...
+
+    def submit_device_utilization(self, index: int) -> Pending[int]: ...
+
+    def submit_sample_period(self, index: int) -> Pending[float | None]: ...
+
+    def degraded(self, index: int) -> str | None: ...
 
 
 def container_key(pod_uid: str, container_id: str) -> str:
@@ -52,8 +80,19 @@ class UsageMeter:
         gains: Gains,
         clock: Clock,
         report: Callable[[int, str], None],
+        read_wait_s: float | None = None,
+        stale_after_s: float = STALE_AFTER_S,
     ) -> None:
+        """``read_wait_s``: how long a period waits for submitted reads (default: 40 % of
+        the control period)."""
         self._samples = samples
+        self._submitting = samples if isinstance(samples, SubmittingSource) else None
+        self._read_wait_s = 0.4 * gains.period_s if read_wait_s is None else read_wait_s
+        self._stale_after_s = stale_after_s
+        self._in_flight: dict[int, tuple[Pending[list[ProcessSample]], Pending[int]]] = {}
+        self._period_pending: dict[int, Pending[float | None]] = {}
+        self._fresh_at = dict.fromkeys(gpus, clock.monotonic())  # last successful read
+        self._last_error: dict[int, str] = {}
         self._owner_of = owner_of
         self._gains = gains
         self._clock = clock
@@ -80,29 +119,82 @@ class UsageMeter:
         """Take in every GPU's new samples and its device utilization."""
         owners: dict[int, str | None] = {}
         now = self._clock.monotonic()
-        for gpu, estimator in self.estimators.items():
-            try:
-                samples = self._samples.process_samples(gpu, self._since[gpu])
-                device = self._samples.device_utilization(gpu)
-            except VcudaError as err:
-                self.errors += 1
-                self._report(gpu, f"cannot read GPU {gpu} utilization: {err}")
-                continue
-            if samples:
-                self._since[gpu] = max(self._since[gpu], *(s.timestamp_us for s in samples))
-                if gpu not in self._period_asked:  # once: the driver's period does not change
-                    self._period_asked.add(gpu)
-                    estimator.sample_period_s = self._period_of(gpu)
-            rows = []
-            for s in samples:
-                if s.pid not in owners:
-                    owners[s.pid] = self._owner(s.pid)
-                rows.append((owners[s.pid], s.pid, s.timestamp_us, float(s.sm_util)))
-            estimator.add_samples(rows)
-            estimator.add_device(now, float(device))
+        if self._submitting is not None:
+            self._read_submitted(now, owners)
+        else:
+            for gpu in self.estimators:
+                try:
+                    samples = self._samples.process_samples(gpu, self._since[gpu])
+                    device = self._samples.device_utilization(gpu)
+                except VcudaError as err:
+                    self._failed(gpu, err)
+                    continue
+                self._take(gpu, samples, device, now, owners)
         wall = self._clock.wall()
         self._estimates = {gpu: e.estimate(wall) for gpu, e in self.estimators.items()}
         self._spans = {}
+
+    def _read_submitted(self, now: float, owners: dict[int, str | None]) -> None:
+        """Submit a read for every GPU with none in flight, wait for them up to the read wait,
+        take in those done (submitted this period or earlier); the rest stay in flight."""
+        source = self._submitting
+        assert source is not None
+        for gpu in self.estimators:
+            if gpu in self._in_flight or source.degraded(gpu) is not None:
+                continue  # a stuck GPU takes no new calls: they would fail at once anyway
+            try:
+                asked = source.submit_process_samples(gpu, self._since[gpu])
+                self._in_flight[gpu] = (asked, source.submit_device_utilization(gpu))
+            except VcudaError as err:
+                self._failed(gpu, err)
+        until = self._clock.monotonic() + self._read_wait_s
+        for gpu, (samples_call, device_call) in list(self._in_flight.items()):
+            if not samples_call.wait(until - self._clock.monotonic()):
+                continue
+            if not device_call.wait(until - self._clock.monotonic()):
+                continue
+            del self._in_flight[gpu]
+            try:
+                samples, device = samples_call.result(), device_call.result()
+            except VcudaError as err:
+                self._failed(gpu, err)
+                continue
+            self._take(gpu, samples, device, now, owners)
+
+    def _take(
+        self, gpu: int, samples: list[ProcessSample], device: int, now: float, owners: dict[int, str | None]
+    ) -> None:
+        estimator = self.estimators[gpu]
+        self._fresh_at[gpu] = now
+        self._last_error.pop(gpu, None)
+        if samples:
+            self._since[gpu] = max(self._since[gpu], *(s.timestamp_us for s in samples))
+            self._learn_period(gpu)
+        rows = []
+        for s in samples:
+            if s.pid not in owners:
+                owners[s.pid] = self._owner(s.pid)
+            rows.append((owners[s.pid], s.pid, s.timestamp_us, float(s.sm_util)))
+        estimator.add_samples(rows)
+        estimator.add_device(now, float(device))
+
+    def _failed(self, gpu: int, err: VcudaError) -> None:
+        self.errors += 1
+        self._last_error[gpu] = str(err)
+        self._report(gpu, f"cannot read GPU {gpu} utilization: {err}")
+
+    def stale(self, gpu: int) -> str | None:
+        """Why the GPU's figures cannot be acted on now (None: they can): a call stuck past
+        its deadline, or no successful read for ``stale_after_s``."""
+        if self._submitting is not None:
+            degraded = self._submitting.degraded(gpu)
+            if degraded is not None or gpu in self._in_flight:
+                return degraded  # a read under way is the backend's deadline to judge
+        age = self._clock.monotonic() - self._fresh_at.get(gpu, float("-inf"))
+        if age <= self._stale_after_s:
+            return None
+        last = self._last_error.get(gpu)
+        return f"no utilization reading for {age:.1f} s" + (f" ({last})" if last else "")
 
     def estimate(self, gpu: int) -> Estimate[str]:
         """The GPU's estimate over the plain window, as of the last read."""
@@ -151,9 +243,29 @@ class UsageMeter:
         if gpu in self.estimators:
             self.estimators[gpu].forget(key)
 
-    def _period_of(self, gpu: int) -> float | None:
+    def _learn_period(self, gpu: int) -> None:
+        """Ask the driver's sample period once (it does not change); a submitted ask is
+        collected at a later read."""
+        if gpu in self._period_asked:
+            return
+        estimator = self.estimators[gpu]
+        if self._submitting is None:
+            self._period_asked.add(gpu)
+            estimator.sample_period_s = self._period_of(lambda: self._samples.sample_period_s(gpu), gpu)
+            return
+        pending = self._period_pending.get(gpu)
+        if pending is None:
+            try:
+                self._period_pending[gpu] = self._submitting.submit_sample_period(gpu)
+            except VcudaError as err:
+                log.debug("GPU %d: sample period not asked yet (%s)", gpu, err)
+        elif pending.wait(0):
+            self._period_asked.add(gpu)
+            estimator.sample_period_s = self._period_of(pending.result, gpu)
+
+    def _period_of(self, ask: Callable[[], float | None], gpu: int) -> float | None:
         try:
-            return self._samples.sample_period_s(gpu)
+            return ask()
         except VcudaError as err:
             log.debug("GPU %d: sample period unknown (%s): learned from the samples", gpu, err)
             return None

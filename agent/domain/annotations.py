@@ -9,6 +9,7 @@ Scheduler-extender annotations keep the gpu-admission names under ``nvidia.com/`
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 
 from agent.domain.ids import UNITS_PER_GPU
@@ -33,6 +34,11 @@ class Policy(enum.StrEnum):
 DEFAULT_POLICY = Policy.FIXED_SHARE
 
 
+# ASCII digits only, and few enough for int(): str.isdigit() also passes "²", which int() refuses.
+_INDEX = re.compile(r"[0-9]{1,20}")
+_SIGNED = re.compile(r"-?[0-9]{1,20}")
+
+
 class AnnotationError(ValueError):
     """An annotation value the agent cannot use; the message says why and what is valid."""
 
@@ -44,7 +50,7 @@ def predicate_key(index: int, init: bool) -> str:
 def parse_gpu_indexes(text: str) -> tuple[int, ...]:
     """``"0"`` or ``"0,1"`` → (0,) / (0, 1)."""
     items = [t.strip() for t in text.split(",")]
-    if not items or not all(t.isdigit() for t in items):
+    if not items or not all(_INDEX.fullmatch(t) for t in items):
         raise AnnotationError(f"{text!r} is not a GPU index list like 0 or 0,1")
     return tuple(sorted({int(t) for t in items}))
 
@@ -63,7 +69,7 @@ def predicated_gpus(annotations: Mapping[str, str], index: int, init: bool) -> t
 def predicate_time(annotations: Mapping[str, str]) -> int | None:
     """UnixNano of the extender's bind, or None."""
     text = annotations.get(PREDICATE_TIME, "")
-    return int(text) if text.isdigit() else None
+    return int(text) if _INDEX.fullmatch(text) else None
 
 
 def is_assigned(annotations: Mapping[str, str]) -> bool:
@@ -79,7 +85,7 @@ def parse_core_limit(text: str | None, request: int) -> tuple[int, str]:
         return request, ""
     value = text.strip()
     rule = f"must be an integer from the request ({request}) to {UNITS_PER_GPU}"
-    if not value.lstrip("-").isdigit():
+    if not _SIGNED.fullmatch(value):
         return request, f"{CORE_LIMIT}={text!r} is not a number: it {rule}"
     limit = int(value)
     if limit < request or limit > UNITS_PER_GPU:

@@ -17,8 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
-from agent.domain.annotations import is_assigned, predicate_time, predicated_gpus
-from agent.domain.ledger import Ledger
+from agent.domain.annotations import (
+    GPU_ASSIGNED,
+    PREDICATE_NODE,
+    PREDICATE_TIME,
+    is_assigned,
+    predicate_key,
+    predicate_time,
+    predicated_gpus,
+)
+from agent.domain.ledger import Assignment, Ledger
 from agent.errors import AllocationError
 from agent.platform.kube.pods import CORE_RESOURCE, MEMORY_RESOURCE, ContainerInfo, PodInfo
 
@@ -59,6 +67,37 @@ def next_gpu_container(pod: PodInfo, ledger: Ledger) -> ContainerInfo | None:
         if container.wants_gpu and ledger.get(pod.uid, container.name) is None:
             return container
     return None
+
+
+def fully_placed(pod: PodInfo, ledger: Ledger) -> bool:
+    """Every GPU container of the pod has its devices. kubelet allocates init containers
+    first, so entries for all app containers imply the init containers had theirs (a ledger
+    rebuilt from pod-resources has no init entries: kubelet does not list them)."""
+    gpu = [c for c in pod.containers if c.wants_gpu]
+    app = [c for c in gpu if not c.init]
+    return all(ledger.get(pod.uid, c.name) is not None for c in app or gpu)
+
+
+def placement_annotations(
+    pod: PodInfo, ledger: Ledger, items: Iterable[Assignment], node_name: str, now_ns: int
+) -> dict[str, str]:
+    """The annotation updates that make the pod say what the ledger holds for it: the GPUs of
+    each of ``items`` (its containers' entries), this node, a bind time unless it has one, and
+    ``gpu-assigned=true`` once it is ``fully_placed``. Empty when the pod says all that already."""
+    updates: dict[str, str] = {}
+    for item in items:
+        container = pod.container(item.container)
+        if container is not None:
+            key, value = predicate_key(container.index, container.init), ",".join(map(str, item.gpus))
+            if pod.annotations.get(key) != value:
+                updates[key] = value
+    if pod.annotations.get(PREDICATE_NODE) != node_name:
+        updates[PREDICATE_NODE] = node_name
+    if PREDICATE_TIME not in pod.annotations:
+        updates[PREDICATE_TIME] = str(now_ns)
+    if not is_assigned(pod.annotations) and fully_placed(pod, ledger):
+        updates[GPU_ASSIGNED] = "true"
+    return updates
 
 
 def profile(pod: PodInfo, node_name: str) -> PodProfile | None:

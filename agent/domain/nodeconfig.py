@@ -63,7 +63,7 @@ def parse_config(text: str, source: str = "config") -> ClusterConfig:
     """Parse and validate; raise ``ConfigError`` listing every problem."""
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise ConfigError([f"{source}: not valid JSON: {err}"]) from err
     problems: list[str] = []
     if not isinstance(raw, dict):
@@ -95,6 +95,8 @@ def load_config(path: Path) -> ClusterConfig:
         text = path.read_text()
     except OSError as err:
         raise ConfigError([f"{path}: cannot read: {err.strerror or err}"]) from err
+    except UnicodeDecodeError as err:
+        raise ConfigError([f"{path}: not UTF-8 text: {err}"]) from err
     return parse_config(text, str(path))
 
 
@@ -117,7 +119,9 @@ def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | Non
     ]
     scaling = entry.get("deviceMemoryScaling", 1.0)
     valid_number = (
-        isinstance(scaling, int | float) and not isinstance(scaling, bool) and math.isfinite(scaling)
+        isinstance(scaling, int | float)
+        and not isinstance(scaling, bool)
+        and (isinstance(scaling, int) or math.isfinite(scaling))  # isfinite() overflows on 10**400
     )
     if not valid_number or not 0 < scaling <= 1:
         problems.append(f"{where}: deviceMemoryScaling must be a number with 0 < x <= 1, got {scaling!r}")

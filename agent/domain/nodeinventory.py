@@ -50,6 +50,7 @@ CAPACITY_RESOURCE = MEMORY_RESOURCE  # published in MiB in node status capacity 
 _LABEL_VALUE_MAX = 63
 _LABEL_INVALID = re.compile(r"[^A-Za-z0-9._-]")
 _T = TypeVar("_T")
+_PEER = re.compile(r"[0-9]{1,9}")  # a GPU index in ASCII digits ("²".isdigit() is true, int() refuses it)
 _JSON_KINDS: dict[type, str] = {
     int: "an integer",
     float: "a number",
@@ -164,7 +165,7 @@ def decode(text: str) -> NodeInventory:
     """Parse an annotation value; raise ``InventoryFormatError`` saying what is wrong."""
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise InventoryFormatError(f"{INVENTORY_ANNOTATION} is not valid JSON: {err}") from err
     if not isinstance(raw, dict):
         raise InventoryFormatError(f"{INVENTORY_ANNOTATION} must be a JSON object, got {type(raw).__name__}")
@@ -195,7 +196,7 @@ def _decode_gpu(raw: object, where: str) -> GpuEntry:
         raise InventoryFormatError(f"{INVENTORY_ANNOTATION}: {where}nvlinks must be an object")
     links: dict[int, Link] = {}
     for peer, level in levels.items():
-        if not (isinstance(peer, str) and peer.isdigit()) or level not in TopologyLevel.__members__:
+        if not _PEER.fullmatch(peer) or not isinstance(level, str) or level not in TopologyLevel.__members__:
             raise InventoryFormatError(
                 f"{INVENTORY_ANNOTATION}: {where}links[{peer!r}] = {level!r}: expected a GPU index "
                 f"and one of {', '.join(TopologyLevel.__members__)}"
@@ -238,7 +239,13 @@ def _number(raw: Mapping[str, Any], key: str, where: str) -> float:
     value = raw.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InventoryFormatError(f"{INVENTORY_ANNOTATION}: {where}{key} must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float range: JSON allows 10**400
+        number = math.inf
+    if not math.isfinite(number):
+        raise InventoryFormatError(f"{INVENTORY_ANNOTATION}: {where}{key} must be a finite number")
+    return number
 
 
 def format_time(wall: float) -> str:

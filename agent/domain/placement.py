@@ -46,6 +46,10 @@ class Placer:
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         check_core_request(size)
+        # kubelet sends distinct IDs; a repeated one must neither repeat in the answer nor count twice.
+        available, must_include = list(dict.fromkeys(available)), list(dict.fromkeys(must_include))
+        if len(must_include) > size:
+            raise AllocationError(f"{len(must_include)} must-include IDs do not fit a request of {size}")
         if must_include and not set(must_include) <= set(available):
             missing = sorted(set(must_include) - set(available))
             raise AllocationError(f"must-include IDs {missing} are not among the available IDs")
@@ -84,6 +88,8 @@ class Placer:
 
     def _whole_gpus(self, free: Counter[int], count: int, must: set[int]) -> tuple[int, ...]:
         fully_free = tuple(g.index for g in self.gpus if free[g.index] == UNITS_PER_GPU)
+        if len(must) > count:
+            raise AllocationError(f"must-include IDs span GPUs {sorted(must)}, more than {count} requested")
         partial_must = must - set(fully_free)
         if partial_must:
             raise AllocationError(f"must-include GPUs {sorted(partial_must)} are not fully free")

@@ -22,7 +22,8 @@ than any rv, so ``NotOlderThan`` does not 410, as on the real server). ``stop()`
 Test and demo hooks (Python methods): ``create_pod``, ``create_node``, ``pod``, ``node``,
 ``set_pod_phase``, ``patch_pod``, ``delete_pod``, ``compact`` (410 for every older rv and
 for every open watch at its next event), ``drop_watches`` (cut every watch connection),
-``fail_next`` (inject HTTP errors), ``zero_extended_resources`` (what kubelet does to a
+``fail_next`` (inject HTTP errors), ``refuse`` / ``allow`` (answer every request of one method on
+one path with an error until allowed again), ``zero_extended_resources`` (what kubelet does to a
 re-created node), ``events``, ``request_log``, ``write_kubeconfig``.
 
 Not modelled: TLS, authentication, authorization, admission (quota, limit ranges,
@@ -94,6 +95,7 @@ class FakeApiServer:
         self._lock = threading.Lock()
         self._log: deque[RequestRecord] = deque(maxlen=request_log_limit)  # bounded for long demos
         self._failures: list[int] = []
+        self._refusals: dict[tuple[str, str], int] = {}  # (method, path) -> HTTP status
         self._connections: set[socket.socket] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -228,6 +230,17 @@ class FakeApiServer:
         with self._lock:
             self._failures.extend([status] * count)
 
+    def refuse(self, method: str, path: str, status: int = 503) -> None:
+        """Fault-injection knob: every ``method`` request on exactly ``path`` (e.g. PATCH
+        ``/api/v1/namespaces/default/pods/p``) is answered with ``status`` until ``allow``."""
+        with self._lock:
+            self._refusals[(method.upper(), path)] = status
+
+    def allow(self) -> None:
+        """Undo every ``refuse``."""
+        with self._lock:
+            self._refusals.clear()
+
     @property
     def resource_version(self) -> int:
         return self.store.resource_version
@@ -262,4 +275,6 @@ class FakeApiServer:
         record = RequestRecord(method, path, query)
         with self._lock:
             self._log.append(record)
-            return record, self._failures.pop(0) if self._failures else None
+            if self._failures:
+                return record, self._failures.pop(0)
+            return record, self._refusals.get((method, path))

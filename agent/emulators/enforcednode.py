@@ -34,7 +34,7 @@ from typing import Any
 from agent.emulators.apiserver import FakeApiServer
 from agent.emulators.cluster import EmulatedNode, container_id
 from agent.emulators.containers import ContainerRuntime, RunningContainer
-from agent.emulators.kubelet import KubeletEmulator
+from agent.emulators.kubelet import KubeletEmulator, PodAdmission
 from agent.emulators.simnode import sim_agent_command
 from agent.errors import PlatformError, SimulationError
 from agent.platform.cgroups.layout import detect_layout
@@ -116,11 +116,12 @@ class EnforcedNode:
             kube=kube,
             extra=self.agent_args + extra,
         )
+        registered = len(self.kubelet.registrations)  # a restart: wait for the new agent's
         with (self.workdir / f"agent-{len(self.agents)}.log").open("wb") as log:
             agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.agents.append(agent)
         deadline = time.monotonic() + 60
-        while not self.kubelet.wait_for(lambda: bool(self._plugin_ready()), 0.2):
+        while not self.kubelet.wait_for(lambda: self._plugin_ready(registered), 0.2):
             if agent.poll() is not None:
                 tail = "\n".join(self.agent_log().splitlines()[-5:])
                 raise PlatformError(f"the agent exited with {agent.returncode} before registering:\n{tail}")
@@ -136,9 +137,14 @@ class EnforcedNode:
         with urllib.request.urlopen(found.group(1), timeout=5) as answer:
             return str(answer.read().decode())
 
-    def _plugin_ready(self) -> bool:
+    def _plugin_ready(self, registered: int) -> bool:
+        """kubelet has connected to a plugin registered after the first ``registered`` and
+        has its device list."""
         plugin = self.kubelet.plugins.get("nvidia.com/vcuda-core")
-        return plugin is not None and bool(plugin.updates)
+        if plugin is None or not plugin.updates:
+            return False
+        # By identity: the registrations of two runs of the agent are equal messages.
+        return any(plugin.request is r for r in self.kubelet.registrations[registered:])
 
     def agent_log(self) -> str:
         return (self.workdir / f"agent-{len(self.agents) - 1}.log").read_text(errors="replace")
@@ -158,6 +164,19 @@ class EnforcedNode:
         until its workload runs (a capped container's start-up runs throttled too)."""
         manifest = pod_manifest(name, cores, memory_mib if cores < 100 else None, annotations or {})
         admission = self.node.run_pod(manifest)
+        return self.start_container(admission, busy=busy, workload_mib=workload_mib, extra=extra)
+
+    def start_container(
+        self,
+        admission: PodAdmission,
+        *,
+        busy: float = 1.0,
+        workload_mib: int = 0,
+        extra: tuple[str, ...] = (),
+    ) -> RunningContainer:
+        """Start an admitted one-container pod's container with what Allocate handed out, and
+        wait until its workload runs on its GPU."""
+        name = admission.pod.name
         pod = self.api.pod("default", name)
         assert pod is not None
         response = admission.containers[0].response

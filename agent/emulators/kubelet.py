@@ -6,7 +6,8 @@ plugin's endpoint when it registers, consumes ``ListAndWatch``, and admits pods
 as kubelet's device manager does: available = healthy IDs not in use,
 ``GetPreferredAllocation`` when the plugin offers it (an error fails admission; a
 preference of the wrong size falls back to the first available IDs),
-``Allocate`` per container, then ``PreStartContainer`` when required.
+``Allocate`` per container, then ``PreStartContainer`` when required (``allocate`` and
+``pre_start`` are those steps one at a time, for tests that stop between them).
 ``restart()`` does what a kubelet restart does to the directory: delete every
 socket in it except the checkpoint, then create kubelet.sock again; allocations
 survive, as they do in kubelet's checkpoint. Given ``pod_resources_socket``, it
@@ -220,20 +221,16 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             return {i for (_, _, r), ids in self.allocated.items() if r == resource for i in ids}
 
     def admit(self, pod: PodSpec, resource: str = CORE_RESOURCE) -> PodAdmission:
-        plugin = self.plugins.get(resource)
-        if plugin is None:
-            raise AdmissionError(f"no device plugin registered for {resource}")
+        self._plugin(resource)
         admission = PodAdmission(pod)
-        with self._changed:  # kubelet's pod manager knows the pod before admission starts
-            self.pods.pop(pod.uid, None)
-            self.pods[pod.uid] = pod
+        self._register(pod)
         try:
             for container in pod.containers:
                 if container.cores <= 0:
                     continue
-                admission.containers.append(
-                    self._admit_container(plugin, pod, container.name, container.cores)
-                )
+                step = self.allocate(pod, container.name, resource)
+                self.pre_start(step.device_ids, resource)
+                admission.containers.append(step)
                 if container.init:
                     with self._changed:
                         self.allocated.pop((pod.uid, container.name, resource), None)
@@ -242,6 +239,35 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
             raise
         self._write_checkpoint()
         return admission
+
+    def allocate(self, pod: PodSpec, container: str, resource: str = CORE_RESOURCE) -> ContainerAdmission:
+        """One step of ``admit``, for tests that stop between steps: the pod becomes known (to
+        pod-resources too), the container's IDs are chosen and recorded, and ``Allocate``
+        returns; no ``PreStartContainer`` yet."""
+        plugin = self._plugin(resource)
+        spec = next((c for c in pod.containers if c.name == container), None)
+        if spec is None or spec.cores <= 0:
+            raise AdmissionError(f"pod {pod.key} has no container {container!r} that asks for {resource}")
+        if self.pods.get(pod.uid) is not pod:
+            self._register(pod)
+        return self._admit_container(plugin, pod, container, spec.cores)
+
+    def pre_start(self, device_ids: list[str], resource: str = CORE_RESOURCE) -> None:
+        """The step after ``allocate``: ``PreStartContainer`` when the plugin asks for it."""
+        plugin = self._plugin(resource)
+        if plugin.options.pre_start_required:
+            _call(plugin.stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=device_ids))
+
+    def _plugin(self, resource: str) -> PluginConnection:
+        plugin = self.plugins.get(resource)
+        if plugin is None:
+            raise AdmissionError(f"no device plugin registered for {resource}")
+        return plugin
+
+    def _register(self, pod: PodSpec) -> None:
+        with self._changed:  # kubelet's pod manager knows the pod before admission starts
+            self.pods.pop(pod.uid, None)
+            self.pods[pod.uid] = pod
 
     def _admit_container(
         self, plugin: PluginConnection, pod: PodSpec, name: str, needed: int
@@ -273,8 +299,6 @@ class KubeletEmulator(pb_grpc.RegistrationServicer):
                 self._numa[device_id] = _numa_node(plugin.devices.get(device_id))
         allocate = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
         response = _call(plugin.stub.Allocate, allocate).container_responses[0]
-        if plugin.options.pre_start_required:
-            _call(plugin.stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=chosen))
         return ContainerAdmission(name, chosen, preferred, response)
 
     def release(self, pod: PodSpec) -> None:

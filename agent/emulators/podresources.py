@@ -12,6 +12,10 @@ Answers as kubelet 1.34 does, over a real unix socket:
 - ``GetAllocatableResources``: the healthy devices of registered plugins, one
   entry per device (and NUMA node), as kubelet sends them.
 
+Fault-injection knob (tests): ``set_delay(seconds)`` makes ``List`` and ``Get`` answer
+that many seconds late, as a kubelet busy with a long sync loop does; lowering it releases
+calls that are already waiting. ``calls`` counts the calls per method.
+
 Not emulated: the CPU and memory managers (``cpu_ids`` and ``memory`` stay
 empty), DRA (``dynamic_resources`` empty), restartable init (sidecar) containers,
 and the pod's phase (a pod is listed from admission until it is released).
@@ -19,6 +23,9 @@ and the pod's phase (a pod is listed from admission until it is released).
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,18 +60,45 @@ class PodResourcesServer(pr_grpc.PodResourcesListerServicer):
         self._state = state
         self._server: grpc.Server | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._delay_s = 0.0
+        self._stopping = False
+        self._knob = threading.Condition()
+        self.calls: Counter[str] = Counter()  # method name -> calls received
+
+    def set_delay(self, seconds: float) -> None:
+        """Fault-injection knob: List and Get answer ``seconds`` late (0: at once). Calls
+        already waiting re-check against the new value, so lowering it releases them."""
+        with self._knob:
+            self._delay_s = max(0.0, seconds)
+            self._knob.notify_all()
+
+    def _stall(self, method: str) -> None:
+        started = time.monotonic()
+        with self._knob:
+            self.calls[method] += 1
+            while not self._stopping:
+                left = started + self._delay_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._knob.wait(left)
 
     def start(self) -> None:
         # kubelet removes a stale socket and creates its own at start-up.
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="podres-emu")
+        with self._knob:
+            self._stopping = False
+        # Enough workers that calls stalled by ``delay_s`` do not queue the ones behind them.
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="podres-emu")
         self._server = grpc.server(self._executor)
         pr_grpc.add_PodResourcesListerServicer_to_server(self, self._server)
         self._server.add_insecure_port(unix_target(self.socket))
         self._server.start()
 
     def stop(self) -> None:
+        with self._knob:  # stalled calls end now, so the server stops at once
+            self._stopping = True
+            self._knob.notify_all()
         if self._server is not None:
             self._server.stop(grace=None).wait(5)
             self._server = None
@@ -77,6 +111,7 @@ class PodResourcesServer(pr_grpc.PodResourcesListerServicer):
     def List(
         self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext
     ) -> pr.ListPodResourcesResponse:
+        self._stall("List")
         state = self._state()
         index = _by_container(state)
         return pr.ListPodResourcesResponse(
@@ -88,6 +123,7 @@ class PodResourcesServer(pr_grpc.PodResourcesListerServicer):
     ) -> pr.GetPodResourcesResponse:
         if not self.serve_get:
             context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
+        self._stall("Get")
         state = self._state()
         # The latest admitted pod of that name wins, as kubelet's pod manager keeps one per name.
         matches = [

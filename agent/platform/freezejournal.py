@@ -12,7 +12,10 @@ The document (version 1)::
      "processes": [{"pid": 4321, "startTicks": 98765, "key": "ns/pod/container"}, ...]}
 
 Writes replace the file atomically (temp file + os.replace), only when the content
-changes. No fsync: the journal guards against the agent dying, not the machine; after
+changes. A write that fails (the disk is full, the directory read-only) raises
+``JournalError`` and changes nothing, in the file or in memory: the caller must then not
+pause what it meant to add (``FreezerActuator`` does not freeze); ``write_error`` says why
+until a write succeeds again. No fsync: the journal guards against the agent dying, not the machine; after
 a reboot nothing is frozen anyway (and the state dir is a tmpfs under /run).
 
 This module runs inside the watchdog process: stdlib and agent.platform only.
@@ -81,7 +84,14 @@ class FreezeJournal:
         self._processes: dict[str, set[ProcessIdentity]] = {}
         # What the file holds, to skip writes that change nothing; None: unknown or unreadable.
         self._on_disk: tuple[frozenset[str], frozenset[JournalProcess]] | None = None
+        self._write_error: str | None = None
         self._load()
+
+    @property
+    def write_error(self) -> str | None:
+        """Why the last write failed; None once one succeeds (or none failed)."""
+        with self._lock:
+            return self._write_error
 
     # -- changes -------------------------------------------------------------------
 
@@ -173,8 +183,15 @@ class FreezeJournal:
                     file.write(text)
                 os.replace(tmp, self.path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise JournalError(f"cannot write the freeze journal {self.path}: {err}") from err
+            _discard(tmp)
+            message = f"cannot write the freeze journal {self.path}: {err}"
+            if self._write_error is None:
+                log.error("%s; nothing more is paused until it can be written", message)
+            self._write_error = message
+            raise JournalError(message) from err
+        if self._write_error is not None:
+            log.warning("the freeze journal %s can be written again", self.path)
+            self._write_error = None
         self._on_disk = content
 
     def _load(self) -> None:
@@ -209,6 +226,14 @@ def file_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _discard(tmp: Path) -> None:
+    """Remove a temp file a failed write left; failing to is not the error to report."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("cannot remove %s: %s", tmp, err)
+
+
 def _absolute(cgroup_dir: Path) -> str:
     if not cgroup_dir.is_absolute():
         raise JournalError(f"the freeze journal takes absolute cgroup paths, not {cgroup_dir}")
@@ -219,6 +244,18 @@ def _flatten(processes: dict[str, set[ProcessIdentity]]) -> list[JournalProcess]
     return [JournalProcess(i.pid, i.start_ticks, key) for key, ids in processes.items() for i in ids]
 
 
+def _is_path(item: object) -> bool:
+    """An absolute path open() accepts: a NUL or an unencodable character would make the
+    watchdog's thaw fail on this entry with ValueError instead of thawing the rest."""
+    if not isinstance(item, str) or not item.startswith("/") or "\0" in item:
+        return False
+    try:
+        os.fsencode(item)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse(text: str) -> tuple[set[str], list[JournalProcess]]:
     """The journal's entries; ValueError for a document that cannot be trusted at all.
 
@@ -227,7 +264,7 @@ def _parse(text: str) -> tuple[set[str], list[JournalProcess]]:
     """
     try:
         document: Any = json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deep
         raise ValueError(f"not JSON ({err})") from err
     if not isinstance(document, dict):
         raise ValueError(f"expected a JSON object, got {type(document).__name__}")
@@ -239,10 +276,10 @@ def _parse(text: str) -> tuple[set[str], list[JournalProcess]]:
         raise ValueError("'cgroups' and 'processes' must be lists")
     cgroups: set[str] = set()
     for item in raw_cgroups:
-        if isinstance(item, str) and item.startswith("/"):
+        if _is_path(item):
             cgroups.add(item)
         else:
-            log.warning("freeze journal: skipping cgroup entry %r (not an absolute path)", item)
+            log.warning("freeze journal: skipping cgroup entry %r (not a usable absolute path)", item)
     processes: list[JournalProcess] = []
     for item in raw_processes:
         try:

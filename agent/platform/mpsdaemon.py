@@ -31,6 +31,8 @@ from agent.platform.procfs import ProcessIdentity, ProcFS
 log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0
+# What reading daemon.json raises for any bytes in it (OverflowError: int(Infinity)).
+_BAD_RECORD = (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError)
 GIVE_UP_AFTER = 3  # starts in a row that died before their control socket came up
 STOP_WAIT_S = 5.0
 
@@ -237,7 +239,7 @@ class MpsDaemon:
         try:
             raw = json.loads(self._record.read_text())
             identity = ProcessIdentity(int(raw["pid"]), int(raw["start_ticks"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except _BAD_RECORD:
             return None
         if not self._procfs.is_alive(identity):
             self._record.unlink(missing_ok=True)

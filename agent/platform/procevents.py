@@ -82,7 +82,7 @@ def events_from_datagram(data: bytes) -> list[ProcEvent]:
     offset = 0
     while offset + _ACK_ERR_OFFSET + 8 <= len(data):
         (length,) = _NLMSG_LEN.unpack_from(data, offset)
-        if length < _NLMSG_HDR:
+        if length < _NLMSG_HDR or offset + length > len(data):  # the datagram holds it in part only
             break
         if length >= _ACK_ERR_OFFSET + 16:
             (what,) = _NLMSG_LEN.unpack_from(data, offset + _WHAT_OFFSET)

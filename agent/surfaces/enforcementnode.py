@@ -186,6 +186,7 @@ class EnforcementIntegration:
                     utilization_percent=view.device_percent if view else None,
                     memory_used_mib=used_mib,
                     containers=rows,
+                    degraded=view.stale if view else None,
                     **_sharing_fields(sharing.get(gpu.index)),
                 )
             )
@@ -199,6 +200,7 @@ class EnforcementIntegration:
             period_s=self.settings.period_s,
             watchdog=self.watchdog_state(),
             bpf=self._host.bpf_status(),
+            freeze_journal=self.journal.write_error or "ok",
         )
         return status_document(
             node=self.node_name,
@@ -230,6 +232,7 @@ class EnforcementIntegration:
             throttled=control.throttled,
             compute_held_by=self.compute_holder(control),
             memory_held_by=self.memory_holder(spec),
+            problem=control.problem,
         )
 
     def compute_holder(self, control: ContainerControl) -> tuple[str, str]:

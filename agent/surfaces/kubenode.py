@@ -83,6 +83,7 @@ class KubeIntegration:
             truth=self.truth,
             annotator=self.annotator,
             node_name=node_name,
+            recheck_s=settings.recheck_s,
         )
         self.specbook = SpecBook(
             self.ledger, self.pods, self.events, node_name, self.node_labels, bounds=bounds
@@ -131,6 +132,8 @@ class KubeIntegration:
             self.last_rebuild = self.recovery.rebuild()
         except VcudaError as err:
             log.error("cannot rebuild the ledger at start: %s", err)
+        self.recovery.reannotate()  # writes a killed run still owed its pods
+        supervisor.spawn("pod-resources-recheck", self.recovery.run)
 
     def stop(self) -> None:
         self.annotator.flush(2.0)

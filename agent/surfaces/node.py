@@ -19,6 +19,7 @@ from agent.domain.specs import SpecBounds
 from agent.errors import VcudaError
 from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.factory import open_backend
+from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.settings import Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
@@ -48,7 +49,11 @@ class NodeAgent:
         sim = settings.simulation
         plugin = settings.plugin
         driver_root = plugin.driver_root_in_agent or plugin.driver_root
-        self.backend = backend or open_backend(sim.spec, settings.node_name, sim.state_dir, driver_root)
+        # Every per-GPU call under a deadline: a stuck driver call degrades its GPU and
+        # stalls no loop, server or other GPU (platform/gpu/guarded.py).
+        self.backend = GuardedBackend(
+            backend or open_backend(sim.spec, settings.node_name, sim.state_dir, driver_root)
+        )
         try:
             self._build(settings, config)
         except BaseException:
@@ -138,6 +143,12 @@ class NodeAgent:
 
     def gpu_health(self) -> dict[int, GpuHealth]:
         return dict(self.board.snapshot()[1])
+
+    def gpu_degraded(self) -> dict[int, str]:
+        return {g.index: why for g in self.gpus if (why := self.backend.degraded(g.index)) is not None}
+
+    def call_timeouts(self) -> dict[tuple[int, str], int]:
+        return self.backend.call_timeouts()
 
     def endpoint_status(self) -> EndpointStatus:
         return self.endpoint.status()

@@ -7,8 +7,9 @@ the Kubernetes objects next to them. An example::
     {"version": 1, "node": "n1", "time": 1763800000.0,
      "agent": {"pid": 1, "uptimeSeconds": 12.3, "backend": "simulated", "enforcement": "on",
                "actuator": "freezer", "memoryMode": "kill", "periodSeconds": 0.25,
-               "watchdog": "running", "bpf": "ok"},
+               "watchdog": "running", "bpf": "ok", "freezeJournal": "ok"},
      "gpus": [{"index": 0, "uuid": "GPU-...", "model": "NVIDIA H100 80GB HBM3", "health": "Healthy",
+               "degraded": null,
                "utilizationPercent": 55, "memoryUsedMiB": 1024, "memoryTotalMiB": 81559,
                "coresAllocated": 80,
                "containers": [{"namespace": "default", "pod": "p", "container": "c",
@@ -18,7 +19,7 @@ the Kubernetes objects next to them. An example::
                                "drainSeconds": 0.03, "frozen": false,
                                "memoryUsedMiB": 512, "memoryQuotaMiB": 1024, "throttled": true,
                                "computeHeldBy": "freezer", "computeDetail": "sharing mode is freezer",
-                               "memoryHeldBy": "kill", "memoryDetail": "..."}],
+                               "memoryHeldBy": "kill", "memoryDetail": "...", "problem": null}],
                "sharing": "freezer", "sharingReason": "sharing mode is freezer", "mpsDaemon": null}],
      "recentActions": [{"time": 1763800000.0, "container": "default/p/c",
                         "action": "killed pid 123", "detail": "..."}]}
@@ -32,8 +33,13 @@ Fields:
   ``signals`` | ``auto``: what pauses containers); ``memoryMode`` (``kill`` | ``deny`` |
   ``audit``); ``periodSeconds`` (the control period; a duty cycle is 1 to 8 of them);
   ``watchdog`` (``running`` | ``off`` | ``dead``); ``bpf`` (``ok``, ``off`` or why it is
-  unavailable, free text).
+  unavailable, free text); ``freezeJournal`` (``ok``, or why the last write of the freeze
+  journal failed, e.g. the disk is full: until one succeeds, no container that the journal
+  does not list yet is frozen).
 - ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
+  ``degraded`` (null, or why the agent cannot read the GPU now: a backend call stuck past
+  its deadline, naming the NVML function, or reads failing for a while; meanwhile its
+  containers are not throttled, and it stays Healthy for kubelet),
   ``utilizationPercent`` (whole GPU, 0..100), ``memoryUsedMiB``, ``memoryTotalMiB``,
   ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``; ``sharing``
   (``mps`` | ``freezer``: how its shares are held) and ``sharingReason`` (why);
@@ -51,7 +57,8 @@ Fields:
   an MPS active-thread limit with the duty cycles on top, ``freezer``, ``none``) and
   ``computeDetail``; ``memoryHeldBy`` (``mps``: a pinned memory limit, ``driver``: an NVML
   per-cgroup limit, else the guard's ``kill`` | ``deny`` | ``audit``, ``none``) and
-  ``memoryDetail``.
+  ``memoryDetail``; ``problem`` (null, or why the controller cannot act on it now, e.g. a
+  freeze skipped because the freeze journal cannot be written).
 - ``recentActions[]``, oldest first: ``time`` (Unix seconds), ``container``
   (``namespace/pod/container``, or ``""`` for node-wide actions), ``action`` (short,
   e.g. ``killed pid 123``), ``detail`` (free text).
@@ -84,6 +91,7 @@ class AgentInfo(TypedDict):
     periodSeconds: float
     watchdog: str
     bpf: str
+    freezeJournal: str
 
 
 class ContainerStatus(TypedDict):
@@ -108,6 +116,7 @@ class ContainerStatus(TypedDict):
     computeDetail: str
     memoryHeldBy: str
     memoryDetail: str
+    problem: str | None
 
 
 class MpsDaemonInfo(TypedDict):
@@ -122,6 +131,7 @@ class GpuStatus(TypedDict):
     uuid: str
     model: str
     health: str
+    degraded: str | None
     utilizationPercent: float | None
     memoryUsedMiB: int | None
     memoryTotalMiB: int
@@ -164,6 +174,7 @@ def agent_info(
     period_s: float,
     watchdog: str,
     bpf: str,
+    freeze_journal: str = "ok",
 ) -> AgentInfo:
     """``actuator``/``memory_mode`` take the settings' StrEnums as they are."""
     return AgentInfo(
@@ -176,6 +187,7 @@ def agent_info(
         periodSeconds=period_s,
         watchdog=str(watchdog),
         bpf=str(bpf),
+        freezeJournal=freeze_journal,
     )
 
 
@@ -200,6 +212,7 @@ def container_status(
     throttled: bool = False,
     compute_held_by: tuple[str, str] = ("freezer", ""),
     memory_held_by: tuple[str, str] = ("kill", ""),
+    problem: str | None = None,
 ) -> ContainerStatus:
     """A container on one GPU; for ``whole`` GPUs the control fields are forced to null."""
     if whole:
@@ -226,6 +239,7 @@ def container_status(
         computeDetail=compute_held_by[1],
         memoryHeldBy=memory_held_by[0],
         memoryDetail=memory_held_by[1],
+        problem=problem or None,
     )
 
 
@@ -242,12 +256,14 @@ def gpu_status(
     containers: list[ContainerStatus] | None = None,
     sharing: tuple[str, str] = ("freezer", ""),
     mps_daemon: MpsDaemonInfo | None = None,
+    degraded: str | None = None,
 ) -> GpuStatus:
     return GpuStatus(
         index=index,
         uuid=uuid,
         model=model,
         health="Healthy" if healthy else "Unhealthy",
+        degraded=degraded,
         utilizationPercent=utilization_percent,
         memoryUsedMiB=memory_used_mib,
         memoryTotalMiB=memory_total_mib,

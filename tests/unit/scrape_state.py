@@ -143,6 +143,7 @@ def registry() -> CollectorRegistry:
             read_errors=4,
         ),
         watchdog_state=lambda: "stopped",
+        journal=SimpleNamespace(write_error="cannot write the freeze journal: disk full"),
     )
     xids = XidCounts()
     for gpu, xid in ((0, 13), (0, 13), (2, 79), (0, 31), (7, 48)):  # GPU 7: not in the inventory

@@ -6,9 +6,11 @@ import threading
 
 import pytest
 
+from agent.control.usagemeter import STALE_AFTER_S
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
-from agent.errors import PlatformError
+from agent.errors import NvmlError, PlatformError
+from agent.platform.gpu.inventory import ProcessSample
 from agent.platform.gpu.sim.engine import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec
 from tests.unit.enforcer_plant import PERIOD, Rig, spec
@@ -174,3 +176,30 @@ def test_an_idle_throttled_container_keeps_its_duty_then_is_released() -> None:
     rig.run_for(6)  # idle longer than the hold: released
     control = rig.control("a")
     assert (control.throttled, control.state.duty, rig.gpu.frozen("a")) == (False, 1.0, False)
+
+
+def test_a_gpu_whose_readings_fail_has_its_containers_released_until_they_return() -> None:
+    rig = Rig()
+    rig.add("a", TRAIN, spec("a", 30))
+    rig.run_for(6)
+    assert rig.control("a").throttled
+    answers = rig.gpu.process_samples
+
+    def failing(index: int, since_us: int) -> list[ProcessSample]:
+        raise NvmlError(15, "timeout (injected)", index)
+
+    rig.gpu.process_samples = failing  # type: ignore[method-assign]
+    rig.run_for(STALE_AFTER_S + PERIOD)  # the figures are stale from here on
+    view = rig.enforcer.gpu_views()[0]
+    assert view.stale is not None and "timeout (injected)" in view.stale
+    assert not rig.control("a").throttled and not rig.gpu.frozen("a")
+    released_at = rig.clock.monotonic()
+    rig.run_for(4)
+    freezes = rig.gpu.containers["a"].freezes
+    assert not any(frozen and at >= released_at for at, frozen in freezes), "frozen on stale figures"
+    rig.gpu.process_samples = answers  # type: ignore[method-assign]
+    back_at = rig.clock.monotonic()
+    rig.run_for(6)
+    assert rig.enforcer.gpu_views()[0].stale is None
+    assert rig.control("a").throttled
+    assert any(frozen and at >= back_at for at, frozen in freezes), "not held again once readings returned"

@@ -84,7 +84,12 @@ def test_a_scrape_shows_the_state_at_scrape_time() -> None:
         mode="kill",
         read_errors=0,
     )
-    enforcement: Any = SimpleNamespace(enforcer=enforcer, memory=memory, watchdog_state=lambda: "running")
+    enforcement: Any = SimpleNamespace(
+        enforcer=enforcer,
+        memory=memory,
+        watchdog_state=lambda: "running",
+        journal=SimpleNamespace(write_error=None),
+    )
     registry = registry_of(EnforcementCollector(enforcement, scrape_state.GPUS, "n1"))
     first = render(registry)
     assert b'pod="fixed-a"} 0.1\n' in first

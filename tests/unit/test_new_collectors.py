@@ -179,7 +179,12 @@ def fake_enforcement(controls: list[ContainerControl], memory: dict[str, int]) -
         mode="kill",
         read_errors=2,
     )
-    return SimpleNamespace(enforcer=enforcer, memory=mem, watchdog_state=lambda: "running")
+    return SimpleNamespace(
+        enforcer=enforcer,
+        memory=mem,
+        watchdog_state=lambda: "running",
+        journal=SimpleNamespace(write_error=None),
+    )
 
 
 def test_nvml_errors_add_utilization_and_memory_read_failures() -> None:

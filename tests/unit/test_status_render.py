@@ -240,3 +240,13 @@ def test_a_gpu_shared_through_mps_shows_its_daemon_and_what_holds_each_container
     for g in older["gpus"]:
         g.pop("sharing", None)
     assert "sharing" not in render_status(older).splitlines()[2]
+
+
+def test_a_degraded_gpu_and_an_unwritable_journal_are_shown_and_absent_otherwise() -> None:
+    doc = document()
+    assert "DEGRADED" not in render_status(doc) and "freeze journal" not in render_status(doc)
+    doc["gpus"][0]["degraded"] = "nvmlDeviceGetProcessUtilization did not return within 2 s"
+    doc["agent"]["freezeJournal"] = "cannot write the freeze journal /run/x/frozen.json: [Errno 28] No space"
+    text = render_status(doc)
+    assert "DEGRADED (nvmlDeviceGetProcessUtilization did not return within 2 s)" in text
+    assert "freeze journal: cannot write the freeze journal /run/x/frozen.json" in text

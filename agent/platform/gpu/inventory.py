@@ -108,6 +108,22 @@ class ProcessMemory:
     used_bytes: int
 
 
+# The NVML function behind each per-GPU call of a backend: what a degraded GPU's reason
+# names (``guarded.py``), and what the simulator's hang knob takes (``sim-event --hang``).
+CALL_PROCESS_SAMPLES = "nvmlDeviceGetProcessUtilization"
+CALL_DEVICE_UTILIZATION = "nvmlDeviceGetUtilizationRates"
+CALL_PROCESS_MEMORY = "nvmlDeviceGetComputeRunningProcesses"
+CALL_SAMPLE_PERIOD = "nvmlDeviceGetSamples"
+CALL_SET_MEMORY_LIMIT = "nvmlDeviceSetMemoryLimits_v1"
+PER_GPU_CALLS = (
+    CALL_PROCESS_SAMPLES,
+    CALL_DEVICE_UTILIZATION,
+    CALL_PROCESS_MEMORY,
+    CALL_SAMPLE_PERIOD,
+    CALL_SET_MEMORY_LIMIT,
+)
+
+
 class GpuBackend(Protocol):
     """The one interface the agent uses to learn about GPUs."""
 

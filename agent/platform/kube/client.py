@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 from kubernetes.config.kube_config import load_kube_config
+from urllib3.util import Retry
 
 from agent.errors import ConflictError, KubeError
 
@@ -57,6 +58,10 @@ def api_client(
     except (ConfigException, OSError, yaml.YAMLError) as err:
         where = f"the service account in {service_account_dir}" if in_cluster else f"kubeconfig {kubeconfig}"
         raise KubeError(f"cannot load the Kubernetes API configuration from {where}: {err}") from err
+    # No immediate re-dials of a refused or timed-out connection: every caller retries with
+    # its own back-off (as client-go does), and urllib3's three quick retries only made each
+    # failed request three more, with a WARNING apiece, all through an API server outage.
+    config.retries = Retry(total=3, connect=0)
     return ApiClient(config)
 
 

@@ -8,7 +8,9 @@ the last resourceVersion, so no event is missed and nothing is re-listed. A 410 
 resourceVersion: the loop re-lists, and delivers the differences between what it had
 and the new list as synthetic ADDED / MODIFIED / DELETED events, so a consumer never
 misses a deletion that happened while the watch was down. Other errors back off (0.5 s
-doubling to 30 s, reset by the next success) on the injected clock.
+doubling to 30 s, reset by the next success) on the injected clock. A run of failures (an
+API server outage) is logged as one WARNING, a reminder every ``_REMIND_S``, and one INFO
+when the server answers again; the tries in between are DEBUG.
 
 Objects are the API's JSON as dicts (``_preload_content=False``): the client's model
 deserializer is far too slow for a thousand pods.
@@ -39,6 +41,7 @@ ListFunction = Callable[..., Any]
 EventHandler = Callable[[str, dict[str, Any]], None]
 _CONNECT_TIMEOUT_S = 10.0
 _QUICK_END_S = 1.0  # a watch that ends sooner than this is followed by a back-off
+_REMIND_S = 300.0  # while the API keeps failing, a WARNING this often (the rest is DEBUG)
 
 
 @dataclass
@@ -86,6 +89,8 @@ class Reflector:
         self._objects: dict[str, dict[str, Any]] = {}  # key (uid) → last object seen
         self._stats = ReflectorStats()
         self._response: Any = None  # the open watch stream, so stop can interrupt its read
+        # The current run of failed requests (the loop's thread only): count, start, last WARNING.
+        self._failures, self._failing_since, self._warned_at = 0, 0.0, 0.0
 
     @property
     def stats(self) -> ReflectorStats:
@@ -123,7 +128,7 @@ class Reflector:
                     return
                 if err.status != 410:
                     self._count(errors=1, last_error=str(err))
-                    log.warning("%s; retrying in %.1f s", err, backoff)
+                    self._failed(err, backoff)
                     if self._clock.sleep(backoff, stop):
                         return
                     backoff = min(self._max_backoff_s, backoff * 2)
@@ -165,6 +170,7 @@ class Reflector:
         for key, obj in old.items():
             if key not in fresh:
                 self._handler("DELETED", obj)  # vanished while we were not watching
+        self._answered()
         self._count(lists=1, synced=True, resource_version=str(body["metadata"].get("resourceVersion") or ""))
         if self._on_synced is not None:
             self._on_synced()
@@ -184,6 +190,7 @@ class Reflector:
                 _request_timeout=(_CONNECT_TIMEOUT_S, timeout_s + 60.0),
             ),
         )
+        self._answered()
         self._count(watches=1)
         with self._lock:
             self._response = response
@@ -207,7 +214,7 @@ class Reflector:
         try:
             event = json.loads(line)
             kind, obj = event["type"], event["object"]
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, RecursionError) as err:  # Recursion: nested too deep
             raise KubeError(f"watch {self.what}: a line that is not a watch event: {line[:200]!r}") from err
         if kind == "ERROR":
             code = obj.get("code") if isinstance(obj, dict) else None
@@ -220,6 +227,8 @@ class Reflector:
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             log.warning("%s: ignoring a watch event of type %r", self.what, kind)
             return
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata", {}), dict):
+            raise KubeError(f"watch {self.what}: a {kind} event whose object or metadata is not an object")
         with self._lock:
             if kind == "DELETED":
                 self._objects.pop(_key(obj), None)
@@ -227,6 +236,39 @@ class Reflector:
                 self._objects[_key(obj)] = obj
         self._handler(kind, obj)
         self._count(events=1, resource_version=rv or self.stats.resource_version)
+
+    def _failed(self, err: KubeError, backoff: float) -> None:
+        now = self._clock.monotonic()
+        self._failures += 1
+        if self._failures == 1:
+            self._failing_since = self._warned_at = now
+            log.warning(
+                "%s; retrying with back-off up to %.0f s (further failures are logged at DEBUG until it "
+                "works again)",
+                err,
+                self._max_backoff_s,
+            )
+        elif now - self._warned_at >= _REMIND_S:
+            self._warned_at = now
+            log.warning(
+                "%s: still failing after %d tries over %.0f s: %s",
+                self.what,
+                self._failures,
+                now - self._failing_since,
+                err,
+            )
+        else:
+            log.debug("%s; retrying in %.1f s", err, backoff)
+
+    def _answered(self) -> None:
+        if self._failures:
+            log.info(
+                "%s: the API server answers again after %d failed tries over %.0f s",
+                self.what,
+                self._failures,
+                self._clock.monotonic() - self._failing_since,
+            )
+            self._failures = 0
 
     def _count(self, **changes: Any) -> None:
         with self._lock:
@@ -261,7 +303,8 @@ def _lines(response: Any) -> Iterator[bytes]:
 
 
 def _key(obj: dict[str, Any]) -> str:
-    meta = obj.get("metadata") or {}
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
     return str(meta.get("uid") or f"{meta.get('namespace') or ''}/{meta.get('name') or ''}")
 
 

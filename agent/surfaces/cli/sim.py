@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.errors import InvalidSpecError, VcudaError
-from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.inventory import CALL_PROCESS_SAMPLES, PER_GPU_CALLS, EventKind
 from agent.platform.gpu.mpspartition import sm_count_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engine import EngineConfig
@@ -163,7 +163,8 @@ def mps_main(args: argparse.Namespace) -> int:
 
 def event_main(args: argparse.Namespace) -> int:
     """Inject a health event into a running simulated node: an XID error (critical ones make
-    the GPU Unhealthy), the GPU falling off the bus (its contexts are lost), or its recovery."""
+    the GPU Unhealthy), the GPU falling off the bus (its contexts are lost), or its recovery;
+    or a fault: an NVML call of the agent on the GPU that hangs for some seconds."""
     root = SimNodeDir(Path(args.sim_state_dir))
     try:
         node = root.read_node()
@@ -174,6 +175,8 @@ def event_main(args: argparse.Namespace) -> int:
                 client.post_event(args.gpu, EventKind.LOST.value, detail="fell off the bus (injected)")
             elif args.recover:
                 client.post_event(args.gpu, EventKind.RECOVERED.value, detail="reset (injected)")
+            elif args.hang is not None:
+                client.hang(args.gpu, args.call, args.hang)
             else:
                 client.post_event(args.gpu, EventKind.XID.value, xid=args.xid, detail="injected")
         finally:
@@ -294,6 +297,24 @@ def add_parsers(
     add_sim_state_dir(p)
     p.set_defaults(func=workload_main)
 
+    add_event_parser(sub, common)
+
+    p = sub.add_parser(
+        "sim-mps-control",
+        parents=[common],
+        help="a stand-in for nvidia-cuda-mps-control on a simulated node",
+        description=mps_main.__doc__,
+    )
+    p.add_argument("-f", dest="foreground", action="store_true", help="run in the foreground (always)")
+    p.add_argument("-d", dest="background", action="store_true", help="background mode: not supported")
+    add_sim_state_dir(p)
+    p.set_defaults(func=mps_main)
+
+
+def add_event_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``sim-event``: health events, and the hang fault-injection knob."""
     p = sub.add_parser(
         "sim-event",
         parents=[common],
@@ -307,19 +328,17 @@ def add_parsers(
     )
     kind.add_argument("--lost", action="store_true", help="the GPU falls off the bus")
     kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
+    kind.add_argument(
+        "--hang", type=float, metavar="S", help="fault injection: the agent's --call on the GPU hangs for S s"
+    )
+    p.add_argument(
+        "--call",
+        default=CALL_PROCESS_SAMPLES,
+        choices=("*", *PER_GPU_CALLS),
+        help=f"the NVML function that hangs, * for all (default {CALL_PROCESS_SAMPLES})",
+    )
     add_sim_state_dir(p)
     p.set_defaults(func=event_main)
-
-    p = sub.add_parser(
-        "sim-mps-control",
-        parents=[common],
-        help="a stand-in for nvidia-cuda-mps-control on a simulated node",
-        description=mps_main.__doc__,
-    )
-    p.add_argument("-f", dest="foreground", action="store_true", help="run in the foreground (always)")
-    p.add_argument("-d", dest="background", action="store_true", help="background mode: not supported")
-    add_sim_state_dir(p)
-    p.set_defaults(func=mps_main)
 
 
 def add_sim_state_dir(p: argparse.ArgumentParser) -> None:

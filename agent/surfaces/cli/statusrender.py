@@ -62,6 +62,9 @@ def _header(doc: Mapping[str, Any]) -> list[str]:
         f"agent pid {_text(agent.get('pid'))}, up {duration(agent.get('uptimeSeconds'))}, "
         f"period {_number(agent.get('periodSeconds'), 2)} s; as of {local_time(doc.get('time'))}"
     )
+    journal = agent.get("freezeJournal")
+    if isinstance(journal, str) and journal != "ok":
+        lines.append(f"freeze journal: {journal} (containers it does not list yet are not frozen)")
     version = doc.get("version")
     if version != SCHEMA_VERSION:
         lines.append(
@@ -77,8 +80,14 @@ def gpu_line(gpu: Mapping[str, Any]) -> str:
     return (
         f"GPU {_text(gpu.get('index'))}  {_text(gpu.get('model'))}  {_text(gpu.get('uuid'))}  "
         f"{_text(gpu.get('health'))}  util {util}  memory {memory}  "
-        f"cores allocated {_number(gpu.get('coresAllocated'))}/100{_sharing(gpu)}"
+        f"cores allocated {_number(gpu.get('coresAllocated'))}/100{_sharing(gpu)}{_degraded(gpu)}"
     )
+
+
+def _degraded(gpu: Mapping[str, Any]) -> str:
+    """``  DEGRADED (why)`` while the agent cannot read the GPU; nothing otherwise."""
+    reason = gpu.get("degraded")
+    return f"  DEGRADED ({reason})" if isinstance(reason, str) and reason else ""
 
 
 def _sharing(gpu: Mapping[str, Any]) -> str:

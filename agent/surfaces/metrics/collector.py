@@ -26,6 +26,10 @@ class AgentView(Protocol):
 
     def gpu_health(self) -> dict[int, GpuHealth]: ...
 
+    def gpu_degraded(self) -> dict[int, str]: ...
+
+    def call_timeouts(self) -> dict[tuple[int, str], int]: ...
+
     def endpoint_status(self) -> EndpointStatus: ...
 
 
@@ -46,13 +50,31 @@ class AgentCollector(Collector):
             "vcuda_gpu_healthy", "1 when the GPU is Healthy, 0 when Unhealthy", labels=labels
         )
         memory = GaugeMetricFamily("vcuda_gpu_memory_total_bytes", "GPU memory", labels=labels)
+        degraded = GaugeMetricFamily(
+            "vcuda_gpu_degraded",
+            "1 while a backend (NVML) call on the GPU is stuck past its deadline",
+            labels=labels,
+        )
+        timeouts = CounterMetricFamily(
+            "vcuda_gpu_call_timeouts",
+            "Backend (NVML) calls on the GPU that did not return within their deadline",
+            labels=[*labels, "call"],
+        )
         health = view.gpu_health()
-        for gpu in view.gpu_list():
+        stuck = view.gpu_degraded()
+        gpus = {gpu.index: gpu for gpu in view.gpu_list()}
+        for gpu in gpus.values():
             values = [node, str(gpu.index), gpu.uuid, gpu.model]
             healthy.add_metric(values, 1.0 if health[gpu.index].healthy else 0.0)
             memory.add_metric(values, float(gpu.memory_mib * _MIB))
+            degraded.add_metric(values, 1.0 if gpu.index in stuck else 0.0)
+        for (index, call), count in sorted(view.call_timeouts().items()):
+            gpu = gpus[index]
+            timeouts.add_metric([node, str(index), gpu.uuid, gpu.model, call], float(count))
         yield healthy
         yield memory
+        yield degraded
+        yield timeouts
         status = view.endpoint_status()
         registered = GaugeMetricFamily(
             "vcuda_kubelet_registered", "1 while registered with kubelet", labels=["node"]

@@ -160,3 +160,11 @@ class EnforcementCollector(Collector):
         )
         watchdog.add_metric([self._node], 1.0 if self._enforcement.watchdog_state() == "running" else 0.0)
         yield watchdog
+        journal = GaugeMetricFamily(
+            "vcuda_freeze_journal_writable",
+            "0 since a write of the freeze journal failed (e.g. disk full: containers it does not "
+            "list yet are not frozen), 1 otherwise",
+            labels=["node"],
+        )
+        journal.add_metric([self._node], 0.0 if self._enforcement.journal.write_error else 1.0)
+        yield journal

@@ -7,6 +7,10 @@ one as its child (``vcuda-agent sim-gpu``) that stops with it. One agent per sim
 
 Reads are batched: one ``poll`` brings every GPU's new per-process samples, device
 utilization and process memory, and serves the calls of the next ``refresh_s``.
+
+Fault-injection knob: a hang injected into the GPU server (``sim-event --hang S --call
+NAME``, the ``hang`` op) comes back with the polls, and the GPU's calls of that NVML name
+then block in the calling thread until it ends, as a real driver stuck in an ioctl would.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from typing import Any
 from agent.clock import Clock, SystemClock
 from agent.errors import GpuLostError, MemoryLimitUnsupportedError, NoSuchGpuError, SimulationError
 from agent.platform.gpu.inventory import (
+    CALL_DEVICE_UTILIZATION,
+    CALL_PROCESS_MEMORY,
+    CALL_PROCESS_SAMPLES,
     DeviceEvent,
     EventKind,
     GpuInfo,
@@ -83,6 +90,7 @@ class SimulatedBackend:
         self._utilization = {g.index: 0 for g in self._gpus}
         self._memory: dict[int, list[ProcessMemory]] = {g.index: [] for g in self._gpus}
         self._lost: set[int] = set()
+        self._hangs: dict[int, tuple[str, float]] = {}  # GPU -> (NVML call or *, monotonic end)
         self._polled = float("-inf")
 
     # Start-up ------------------------------------------------------------------------------
@@ -182,6 +190,7 @@ class SimulatedBackend:
 
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
         self._refresh(index)
+        self._stall(index, CALL_PROCESS_SAMPLES)
         with self._lock:
             # Kept in timestamp order (the server releases periods in order): only the new
             # tail is read, not the whole history, at every call.
@@ -193,11 +202,13 @@ class SimulatedBackend:
 
     def process_memory(self, index: int) -> list[ProcessMemory]:
         self._refresh(index)
+        self._stall(index, CALL_PROCESS_MEMORY)
         with self._lock:
             return list(self._memory[index])
 
     def device_utilization(self, index: int) -> int:
         self._refresh(index)
+        self._stall(index, CALL_DEVICE_UTILIZATION)
         with self._lock:
             return self._utilization[index]
 
@@ -282,6 +293,21 @@ class SimulatedBackend:
             self._lost.add(index)
         else:
             self._lost.discard(index)
+        hang = gpu.get("hang")
+        if hang:
+            self._hangs[index] = (str(hang[0]), self._clock.monotonic() + float(hang[1]))
+
+    def _stall(self, index: int, call: str) -> None:
+        """The injected hang, if one holds ``call`` on this GPU now: block until it ends (or
+        the backend closes), outside the lock, so that only this call's thread is held."""
+        with self._lock:
+            hang = self._hangs.get(index)
+        if hang is None or hang[0] not in (call, "*"):
+            return
+        left = hang[1] - self._clock.monotonic()
+        if left > 0:
+            log.info("GPU %d: %s hangs for %.1f s (injected)", index, call, left)
+            self._closed.wait(left)
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < len(self._gpus):

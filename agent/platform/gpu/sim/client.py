@@ -146,6 +146,10 @@ class NodeClient:
     def post_event(self, gpu: int, kind: str, xid: int | None = None, detail: str = "") -> None:
         self._conn.call({"op": "event", "gpu": gpu, "kind": kind, "xid": xid, "detail": detail})
 
+    def hang(self, gpu: int, call: str, seconds: float) -> None:
+        """Fault injection: the agent's ``call`` on ``gpu`` blocks for ``seconds``."""
+        self._conn.call({"op": "hang", "gpu": gpu, "call": call, "seconds": seconds})
+
     def subscribe(self) -> None:
         self._conn.send({"op": "subscribe"})
 

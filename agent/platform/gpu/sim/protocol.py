@@ -23,9 +23,13 @@ drops its queued work, as a process exit does):
 - ``sync``: the reply comes when the context's queue is empty.
 - ``alloc {mib}`` (negative frees): device memory; an error when the GPU cannot hold it.
 - ``poll {since: {gpu: µs}}``: what NVML would report now: per GPU ``{index, lost,
-  utilization, samples: [[pid, µs, sm]], memory: [[pid, bytes]]}``.
+  utilization, samples: [[pid, µs, sm]], memory: [[pid, bytes]]}``, plus ``hang: [call,
+  seconds left]`` while an injected hang lasts.
 - ``truth``: exact GPU time per context and GPU (for tests, benches and the demo).
 - ``event {gpu, kind, xid, detail}``: inject a health event (``sim-event``).
+- ``hang {gpu, call, seconds}``: fault injection (``sim-event --hang``): for ``seconds``,
+  the agent's backend blocks in the GPU's ``call`` (an NVML function name, ``*`` for
+  every per-GPU call), as a driver stuck in an ioctl holds the calling thread.
 - ``subscribe``: become an event stream; the GPUs lost now are sent first.
 """
 

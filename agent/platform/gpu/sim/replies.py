@@ -3,9 +3,10 @@ figures) and the request checks they share with the server, over a node's engine
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agent.platform.gpu.inventory import PER_GPU_CALLS
 from agent.platform.gpu.sim.engine import GpuEngine
 
 
@@ -27,7 +28,29 @@ def gpu_field(request: dict[str, Any], engines: Sequence[GpuEngine]) -> int:
     return gpu
 
 
-def poll_reply(engines: Sequence[GpuEngine], request: dict[str, Any], now: float) -> dict[str, Any]:
+def hang_request(
+    request: dict[str, Any], engines: Sequence[GpuEngine], now: float
+) -> tuple[int, tuple[str, float]]:
+    """A ``hang`` request checked: (GPU, (its NVML call or ``*``, monotonic end)). Fault
+    injection: the agent's backend then blocks in that call, as a driver stuck in an ioctl."""
+    gpu = gpu_field(request, engines)
+    call = request.get("call")
+    if call != "*" and call not in PER_GPU_CALLS:
+        raise RequestError(f"hang: call must be * or one of {list(PER_GPU_CALLS)}, got {call!r}")
+    seconds = request.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= 3600:
+        raise RequestError(f"hang: seconds must be 0..3600, got {seconds!r}")
+    return gpu, (str(call), now + float(seconds))
+
+
+def poll_reply(
+    engines: Sequence[GpuEngine],
+    request: dict[str, Any],
+    now: float,
+    hangs: Mapping[int, tuple[str, float]] | None = None,
+) -> dict[str, Any]:
+    """``hangs``: GPU -> (NVML call, monotonic end) of injected hangs; an active one is sent
+    as ``hang: [call, seconds left]``."""
     since = request.get("since") or {}
     if not isinstance(since, dict):
         raise RequestError("poll: since must map GPU indexes to µs timestamps")
@@ -35,15 +58,17 @@ def poll_reply(engines: Sequence[GpuEngine], request: dict[str, Any], now: float
     for engine in engines:
         after = int(since.get(str(engine.index), 0))
         samples = [[s.pid, s.timestamp_us, s.sm_util] for s in engine.samples(after, now)]
-        gpus.append(
-            {
-                "index": engine.index,
-                "lost": engine.lost,
-                "utilization": engine.device_utilization(now),
-                "samples": samples,
-                "memory": [[pid, used] for pid, used in engine.memory().items()],
-            }
-        )
+        gpu: dict[str, Any] = {
+            "index": engine.index,
+            "lost": engine.lost,
+            "utilization": engine.device_utilization(now),
+            "samples": samples,
+            "memory": [[pid, used] for pid, used in engine.memory().items()],
+        }
+        hang = (hangs or {}).get(engine.index)
+        if hang is not None and hang[1] > now:
+            gpu["hang"] = [hang[0], hang[1] - now]
+        gpus.append(gpu)
     return {"ok": True, "gpus": gpus}
 
 

@@ -33,7 +33,14 @@ from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine
 from agent.platform.gpu.sim.memory import OutOfMemory
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir
 from agent.platform.gpu.sim.protocol import LineBuffer, decode, encode
-from agent.platform.gpu.sim.replies import RequestError, gpu_field, int_field, poll_reply, truth_reply
+from agent.platform.gpu.sim.replies import (
+    RequestError,
+    gpu_field,
+    hang_request,
+    int_field,
+    poll_reply,
+    truth_reply,
+)
 from agent.platform.procfs import ProcFS
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,7 @@ class GpuServer:
         os.set_blocking(self._wake_w, False)
         self._listener: socket.socket | None = None
         self.driver = DriverState(self.engines, memory_limits=memory_limits, proc_root=self._procfs.root)
+        self._hangs: dict[int, tuple[str, float]] = {}  # GPU -> (NVML call, monotonic end): ``hang``
 
     # Lifecycle ------------------------------------------------------------------------------
     def listen(self) -> None:
@@ -251,7 +259,7 @@ class GpuServer:
         if op in ("launch", "graph", "sync", "alloc"):
             return self._context_call(peer, op, request, now)
         if op == "poll":
-            return poll_reply(self.engines, request, now)
+            return poll_reply(self.engines, request, now, self._hangs)
         if op == "mps_attach":
             if peer.ctx is not None:
                 raise RequestError("this connection is already a context")
@@ -264,6 +272,10 @@ class GpuServer:
             return truth_reply(self.engines, now, self._wall_offset)
         if op == "event":
             return self._event(request, now)
+        if op == "hang":  # fault injection (sim-event --hang)
+            gpu, hang = hang_request(request, self.engines, now)
+            self._hangs[gpu] = hang
+            return {"ok": True}
         if op == "subscribe":
             peer.subscribed = True
             for engine in self.engines:
