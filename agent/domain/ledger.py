@@ -28,6 +28,10 @@ class Assignment:
     cores: int  # total vcuda-core of the container
     memory_mib: int  # the memory quota on its GPU (a share); 0 for whole GPUs (they hold all of it)
     device_ids: frozenset[str] = field(default_factory=frozenset)  # empty when rebuilt from annotations
+    # A DRA claim's ShareConfig (control/draledger.py); None: from the pod's annotations.
+    policy: str | None = None
+    limit: int | None = None
+    source: str = "device-plugin"  # or "dra"
 
     @property
     def key(self) -> tuple[str, str]:

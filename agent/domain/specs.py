@@ -85,8 +85,18 @@ def node_policy(label: str | None, node_name: str) -> tuple[Policy, str]:
 def build_spec(
     item: Assignment, pod: PodInfo | None, default: Policy, bounds: SpecBounds | None = None
 ) -> EnforcementSpec:
-    """The spec for one ledger entry; ``pod`` None when the pod is not (yet) in the cache."""
+    """The spec for one ledger entry; ``pod`` None when the pod is not (yet) in the cache.
+    A DRA claim's ShareConfig stands in for the annotations: the same parsing and bounds."""
     annotations = pod.annotations if pod is not None else {}
+    if item.source == "dra":
+        annotations = {
+            key: value
+            for key, value in (
+                (POLICY, item.policy),
+                (CORE_LIMIT, None if item.limit is None else str(item.limit)),
+            )
+            if value is not None
+        }
     container = pod.container(item.container) if pod is not None else None
     problems: list[str] = []
     bounded: list[str] = []

@@ -49,6 +49,7 @@ class ContainerInfo:
     resources: Mapping[str, str] = field(default_factory=dict)  # limits over requests, as written
     container_id: str = ""  # status containerID without the scheme ("" until it started)
     runtime: str = ""  # the scheme of containerID: "containerd", "cri-o", "docker"
+    claims: tuple[str, ...] = ()  # resources.claims[].name: the pod's DRA claims it uses
 
     def quantity(self, resource: str) -> int:
         """The integer quantity of ``resource`` (0 if absent); ValueError if malformed."""
@@ -75,6 +76,8 @@ class PodInfo:
     containers: tuple[ContainerInfo, ...] = ()  # init containers first, then app containers
     qos_class: str = "BestEffort"
     scheduler_name: str = "default-scheduler"  # spec.schedulerName
+    # Pod claim name -> ResourceClaim name (spec.resourceClaims, status.resourceClaimStatuses).
+    resource_claims: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -135,7 +138,22 @@ def _parse(obj: Mapping[str, Any]) -> PodInfo:
         containers=tuple(containers),
         qos_class=str(status.get("qosClass") or _qos_class(containers)),
         scheduler_name=str(spec.get("schedulerName") or "default-scheduler"),
+        resource_claims=_resource_claims(spec.get("resourceClaims"), status.get("resourceClaimStatuses")),
     )
+
+
+def _resource_claims(declared: Any, statuses: Any) -> dict[str, str]:
+    """Which ResourceClaim each pod claim resolves to: named directly, or made from a template
+    (then only the status says which; absent until the claim exists)."""
+    found = {
+        str(c.get("name")): str(c["resourceClaimName"])
+        for c in declared or []
+        if c.get("name") and c.get("resourceClaimName")
+    }
+    for s in statuses or []:
+        if s.get("name") and s.get("resourceClaimName"):
+            found.setdefault(str(s["name"]), str(s["resourceClaimName"]))
+    return found
 
 
 def _container_ids(statuses: Any) -> dict[str, str]:
@@ -154,6 +172,7 @@ def _container(raw: Mapping[str, Any], index: int, init: bool, ids: Mapping[str,
         resources={str(k): str(v) for k, v in merged.items()},
         container_id=container_id,
         runtime=runtime,
+        claims=tuple(str(c.get("name")) for c in resources.get("claims") or [] if c.get("name")),
     )
 
 

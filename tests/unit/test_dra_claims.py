@@ -1,0 +1,180 @@
+"""An allocated ResourceClaim as GPU shares (agent/domain/dra.py) and those shares as ledger
+entries for the containers that use the claim (agent/control/draledger.py), enforced through
+the same specs and bounds as device-plugin allocations."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from agent.control.draledger import ClaimLedger, claim_entries, split
+from agent.domain.annotations import Policy
+from agent.domain.dra import DRIVER, ClaimError, ClaimRef, ClaimShare, claim_ref, claim_shares
+from agent.domain.ledger import Assignment, Ledger
+from agent.domain.specs import SpecBounds, build_spec
+from agent.platform.kube.pods import PodInfo, pod_from_json
+from tests.unit.kubefixtures import make_gpus
+from tests.unit.test_specbook_cache import Pods
+
+NODE = "gpu-node"
+CLAIM: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaim",
+    "metadata": {"name": "train-gpu", "namespace": "ml", "uid": "claim-1"},
+    "status": {
+        "allocation": {
+            "devices": {
+                "results": [
+                    {
+                        "request": "gpu",
+                        "driver": DRIVER,
+                        "pool": NODE,
+                        "device": "gpu-1",
+                        "shareID": "share-a",
+                        "consumedCapacity": {"cores": "30", "memory": "4Gi"},
+                    },
+                    {"request": "nic", "driver": "nic.example.com", "pool": NODE, "device": "eth1"},
+                ],
+                "config": [
+                    {
+                        "source": "FromClaim",
+                        "requests": ["gpu"],
+                        "opaque": {
+                            "driver": DRIVER,
+                            "parameters": {
+                                "apiVersion": "gpu.vcuda.io/v1alpha1",
+                                "kind": "ShareConfig",
+                                "policy": "burst-share",
+                                "limit": 50,
+                            },
+                        },
+                    }
+                ],
+            }
+        }
+    },
+}
+
+
+def pod_json(
+    name: str, claim: str, containers: Sequence[str], *, from_template: bool = False
+) -> dict[str, Any]:
+    source = {"resourceClaimTemplateName": "tpl"} if from_template else {"resourceClaimName": claim}
+    return {
+        "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}"},
+        "spec": {
+            "nodeName": NODE,
+            "resourceClaims": [{"name": "gpu", **source}],
+            "containers": [{"name": c, "resources": {"claims": [{"name": "gpu"}]}} for c in containers]
+            + [{"name": "sidecar"}],
+        },
+        "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": claim}]}
+        if from_template
+        else {},
+    }
+
+
+@dataclass(frozen=True)
+class Prepared:
+    ref: ClaimRef
+    shares: tuple[ClaimShare, ...]
+
+
+class Claims:
+    def __init__(self, *claims: dict[str, Any]) -> None:
+        self.items = [Prepared(claim_ref(c), tuple(claim_shares(c, NODE))) for c in claims]
+
+    def prepared(self) -> list[Prepared]:
+        return self.items
+
+
+def test_an_allocated_claim_reads_as_its_share_with_its_config() -> None:
+    [share] = claim_shares(CLAIM, NODE)
+    assert (share.gpu_index, share.cores, share.memory_mib, share.share_id) == (1, 30, 4096, "share-a")
+    assert (share.policy, share.limit, share.request) == ("burst-share", 50, "gpu")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("pool",), "other-node", "not this node's pool"),
+        (("device",), "eth0", "not a vcuda GPU device"),
+        (("consumedCapacity", "cores"), "150", "expected 1..100"),
+        (("consumedCapacity", "memory"), "lots", "consumedCapacity.memory"),
+    ],
+)
+def test_a_claim_we_cannot_prepare_names_the_field(path: tuple[str, ...], value: str, message: str) -> None:
+    claim = copy.deepcopy(CLAIM)
+    target = claim["status"]["allocation"]["devices"]["results"][0]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ClaimError, match=message):
+        claim_shares(claim, NODE)
+
+
+def test_an_unallocated_claim_is_refused() -> None:
+    with pytest.raises(ClaimError, match=r"status\.allocation"):
+        claim_shares({"metadata": CLAIM["metadata"], "status": {}}, NODE)
+
+
+def test_split_never_exceeds_the_total() -> None:
+    assert split(30, 2) == [15, 15] and split(10, 3) == [4, 3, 3] and sum(split(7, 5)) == 7
+
+
+def test_the_containers_using_a_claim_share_it_evenly() -> None:
+    pods = [pod_from_json(pod_json("a", "train-gpu", ["main", "helper"]))]
+    entries = claim_entries(Claims(CLAIM).prepared(), pods)
+    assert sorted((e.container, e.cores, e.memory_mib, e.gpus) for e in entries) == [
+        ("helper", 15, 2048, (1,)),
+        ("main", 15, 2048, (1,)),
+    ]
+    assert all(e.source == "dra" and e.policy == "burst-share" and e.limit == 50 for e in entries)
+
+
+def test_a_claim_made_from_a_template_is_found_through_the_pod_status() -> None:
+    pods = [pod_from_json(pod_json("b", "b-gpu-x7k2q", ["main"], from_template=True))]
+    claim = copy.deepcopy(CLAIM)
+    claim["metadata"]["name"] = "b-gpu-x7k2q"
+    [entry] = claim_entries(Claims(claim).prepared(), pods)
+    assert (entry.container, entry.cores) == ("main", 30)
+    assert claim_entries(Claims(CLAIM).prepared(), pods) == []  # another claim: not this pod's
+
+
+def test_the_claim_ledger_follows_prepare_and_unprepare() -> None:
+    ledger = Ledger(make_gpus(2))
+    pods = Pods()
+    pod = pod_from_json(pod_json("a", "train-gpu", ["main"]))
+    pods.by_uid[pod.uid] = pod
+    claims = Claims(CLAIM)
+    book = ClaimLedger(ledger, pods, claims)
+    ledger.assign(Assignment("dp-pod", "default", "dp", "c", False, (1,), 60, 1024))  # the device plugin's
+    assert book.sync() == 1 and book.sync() == 0
+    assert sorted(a.cores for a in ledger.assignments()) == [30, 60]
+    claims.items = []  # unprepared
+    assert book.sync() == 1
+    assert [a.pod for a in ledger.assignments()] == ["dp"]  # the device plugin's entry stays
+
+
+def test_over_capacity_is_refused_not_double_counted() -> None:
+    ledger = Ledger(make_gpus(2))
+    pods = Pods()
+    pod = pod_from_json(pod_json("a", "train-gpu", ["main"]))
+    pods.by_uid[pod.uid] = pod
+    ledger.assign(Assignment("dp-pod", "default", "dp", "c", False, (1,), 80, 1024))
+    assert ClaimLedger(ledger, pods, Claims(CLAIM)).sync() == 0
+    assert sum(a.cores for a in ledger.assignments()) == 80
+
+
+def test_a_claims_config_is_bounded_like_an_annotation() -> None:
+    [entry] = claim_entries(Claims(CLAIM).prepared(), [pod_from_json(pod_json("a", "train-gpu", ["main"]))])
+    pod: PodInfo | None = None
+    open_bounds = SpecBounds(frozenset(Policy), 100.0)
+    assert build_spec(entry, pod, Policy.FIXED_SHARE, open_bounds).policy is Policy.BURST_SHARE
+    fixed_only = SpecBounds(frozenset({Policy.FIXED_SHARE}), 1.0)
+    spec = build_spec(entry, pod, Policy.FIXED_SHARE, fixed_only)
+    assert spec.policy is Policy.FIXED_SHARE and spec.cap == 30 and spec.bounded
