@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.domain.dra import DRIVER as DRA_DRIVER
 from agent.domain.health import DEFAULT_IGNORED_XIDS
 from agent.errors import ConfigError
 
@@ -174,6 +175,36 @@ class SharingSettings:
     idle_stop_s: float = 60.0  # a daemon whose GPU holds no share this long is stopped
 
 
+DEFAULT_PLUGINS_REGISTRY = Path("/var/lib/kubelet/plugins_registry")
+DEFAULT_DRA_PLUGIN_DIR = Path("/var/lib/kubelet/plugins") / DRA_DRIVER
+DEFAULT_CDI_DIR = Path("/var/run/cdi")  # CDI's directory for dynamic specs (containerd, CRI-O read it)
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    """The kubelet side of the DRA driver gpu.vcuda.io (issue 17): plugin registration, the
+    DRA gRPC service and the CDI specs of prepared claims. kubelet dials the DRA socket at the
+    path the agent sees, so the DaemonSet mounts these host directories at the same paths."""
+
+    registry_dir: Path = DEFAULT_PLUGINS_REGISTRY  # kubelet's plugin watcher dials sockets here
+    plugin_dir: Path = DEFAULT_DRA_PLUGIN_DIR  # the DRA service socket
+    cdi_dir: Path = DEFAULT_CDI_DIR  # one spec file per prepared claim
+    state_dir: Path = DEFAULT_STATE_DIR  # the prepared-claims checkpoint (a directory)
+    api_timeout_s: float = 10.0  # reading a ResourceClaim (kubelet allows a call 45 s)
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.registry_dir / f"{DRA_DRIVER}-reg.sock"
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin_dir / "dra.sock"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.state_dir / "dra-prepared"
+
+
 @dataclass(frozen=True)
 class KubeSettings:
     """The Kubernetes API (pods, node, events) and kubelet's pod-resources API."""
@@ -202,6 +233,7 @@ class Settings:
     bpf: BpfSettings = field(default_factory=BpfSettings)
     enforcement: EnforcementSettings = field(default_factory=EnforcementSettings)
     sharing: SharingSettings = field(default_factory=SharingSettings)
+    dra: DraSettings = field(default_factory=DraSettings)
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -6,11 +6,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.message import Message
 
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
+from agent.platform.kubelet.pb import dra_v1_pb2 as dra_v1
+from agent.platform.kubelet.pb import dra_v1beta1_pb2 as dra_v1beta1
+from agent.platform.kubelet.pb import pluginregistration_v1_pb2 as reg
 from agent.platform.kubelet.pb import podresources_v1_pb2 as podres
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +96,38 @@ def test_pod_resources_wire_names_match_kubelet() -> None:
     assert _fields(podres.GetPodResourcesResponse) == {"pod_resources": 1}
     assert _fields(podres.AllocatableResourcesResponse) == {"devices": 1, "cpu_ids": 2, "memory": 3}
     assert _fields(podres.DynamicResource) == {"claim_name": 2, "claim_namespace": 3, "claim_resources": 4}
+
+
+def test_plugin_registration_wire_names_match_kubelet() -> None:
+    # kubelet's own file says `package pluginregistration; // This should have been v1.`
+    assert reg.DESCRIPTOR.package == "pluginregistration"
+    service = reg.DESCRIPTOR.services_by_name["Registration"]
+    assert service.full_name == "pluginregistration.Registration"
+    assert [m.name for m in service.methods] == ["GetInfo", "NotifyRegistrationStatus"]
+    assert _fields(reg.PluginInfo) == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
+    assert _fields(reg.RegistrationStatus) == {"plugin_registered": 1, "error": 2}
+    assert _fields(reg.InfoRequest) == {}
+    assert _fields(reg.RegistrationStatusResponse) == {}
+
+
+@pytest.mark.parametrize(("module", "version"), [(dra_v1, "v1"), (dra_v1beta1, "v1beta1")])
+def test_dra_wire_names_match_kubelet(module: Any, version: str) -> None:
+    assert module.DESCRIPTOR.package == f"k8s.io.kubelet.pkg.apis.dra.{version}"
+    service = module.DESCRIPTOR.services_by_name["DRAPlugin"]
+    assert service.full_name == f"k8s.io.kubelet.pkg.apis.dra.{version}.DRAPlugin"
+    assert [m.name for m in service.methods] == ["NodePrepareResources", "NodeUnprepareResources"]
+    assert _fields(module.NodePrepareResourcesRequest) == {"claims": 1}
+    assert _fields(module.NodePrepareResourcesResponse) == {"claims": 1}
+    assert _fields(module.NodePrepareResourceResponse) == {"devices": 1, "error": 2}
+    assert _fields(module.Device) == {
+        "request_names": 1,
+        "pool_name": 2,
+        "device_name": 3,
+        "cdi_device_ids": 4,
+    }
+    assert _fields(module.NodeUnprepareResourcesRequest) == {"claims": 1}
+    assert _fields(module.NodeUnprepareResourcesResponse) == {"claims": 1}
+    assert _fields(module.NodeUnprepareResourceResponse) == {"error": 1}
+    assert _fields(module.Claim) == {"namespace": 1, "uid": 2, "name": 3}
+    response = module.NodePrepareResourcesResponse.DESCRIPTOR.fields_by_name["claims"]
+    assert response.message_type.GetOptions().map_entry  # map<string, NodePrepareResourceResponse>

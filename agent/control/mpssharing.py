@@ -117,6 +117,14 @@ class MpsSharing:
                 self._save()
         return grant
 
+    def grant_share(self, gpu: GpuInfo, ceiling: int, memory_mib: int | None) -> MpsGrant | None:
+        """The MPS limits for a share that is not a device-plugin container (a DRA claim's:
+        its CDI spec carries them); None where the freezer holds it. Not recorded in
+        grants.json, whose entries are per ledger container."""
+        if self.mode() is SharingMode.FREEZER:
+            return None
+        return self._grant(gpu, ceiling, memory_mib)
+
     def _grant(self, gpu: GpuInfo, ceiling: int, memory_mib: int | None) -> MpsGrant | None:
         reason = self.why_not(gpu.index)
         if reason is not None:

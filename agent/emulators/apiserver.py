@@ -2,8 +2,13 @@
 
 It speaks real Kubernetes JSON over plain HTTP (``ThreadingHTTPServer``) for core/v1
 pods (namespaced, with the ``status`` and ``binding`` subresources), nodes (with
-``status``) and events: create, get, list, watch, patch (merge, strategic-as-merge, JSON
-patch), replace, delete, bind. One global resourceVersion is bumped on every write; a
+``status``) and events, and for the Dynamic Resource Allocation kinds of
+``resource.k8s.io/v1`` at their real paths (``/apis/resource.k8s.io/v1/...``):
+ResourceSlices and DeviceClasses (cluster-scoped), ResourceClaims (namespaced, with
+``status``; a create drops the status, as the real strategy does) and
+ResourceClaimTemplates: create, get, list, watch, patch (merge, strategic-as-merge, JSON
+patch), replace, delete, bind. Every object gets its group's ``apiVersion`` and ``kind``,
+lists are ``<Kind>List``. One global resourceVersion is bumped on every write; a
 ``metadata.resourceVersion`` in a patch or replacement is a precondition (409). Writes to
 an object ignore its status and writes to ``/status`` change only the status, as the real
 server does. Field selectors (any dotted field, ``=``/``==``/``!=``) and equality label
@@ -20,6 +25,7 @@ than any rv, so ``NotOlderThan`` does not 410, as on the real server). ``stop()`
 ``start()`` is an API server restart: same port, same objects and history.
 
 Test and demo hooks (Python methods): ``create_pod``, ``create_node``, ``pod``, ``node``,
+``create_object`` / ``get_object`` / ``objects`` / ``delete_object`` (any resource above),
 ``set_pod_phase``, ``patch_pod``, ``delete_pod``, ``compact`` (410 for every older rv and
 for every open watch at its next event), ``drop_watches`` (cut every watch connection),
 ``fail_next`` (inject HTTP errors), ``refuse`` / ``allow`` (answer every request of one method on
@@ -34,7 +40,14 @@ the real server's short list of selectable fields per resource (any field works 
 namespaces as objects; protobuf and CBOR; server-side apply; strategic-merge list keys and
 ``$patch`` directives; pagination (``limit`` is ignored, every list is complete); set-based
 label selectors; graceful deletion and finalizers (DELETE removes at once); ``watch``
-``sendInitialEvents``; slow-watcher eviction; other API groups and resources.
+``sendInitialEvents``; slow-watcher eviction; other API groups and resources; discovery
+(``/api``, ``/apis``: clients must use the paths, as the agent's do). For the DRA kinds: no
+validation at all (field formats, DNS names, the immutability of ``spec.pool.name`` or of an
+allocation once set, the 128-device limit: a test that needs an object to be valid checks it
+against the OpenAPI schema itself), no ``DRA*`` feature gates (every field is kept), no
+allocation (agent/emulators/draallocator.py plays the scheduler), no resourceclaim controller
+(agent/emulators/draclaims.py makes claims from templates), no
+``resource.kubernetes.io/delete-protection`` finalizer.
 """
 
 from __future__ import annotations
@@ -175,6 +188,21 @@ class FakeApiServer:
     ) -> dict[str, Any]:
         manifest = node_manifest(name, labels, capacity, allocatable, annotations)
         return copy.deepcopy(self.store.create("nodes", None, manifest))
+
+    def create_object(
+        self, resource: str, manifest: Mapping[str, Any], namespace: str | None = None
+    ) -> dict[str, Any]:
+        """Create any served resource (``resource`` is its plural, e.g. "deviceclasses")."""
+        return copy.deepcopy(self.store.create(resource, namespace, dict(manifest)))
+
+    def get_object(self, resource: str, name: str, namespace: str = "") -> dict[str, Any] | None:
+        return self._copy_or_none(resource, namespace, name)
+
+    def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return copy.deepcopy(list(self.store.all(resource, namespace)))
+
+    def delete_object(self, resource: str, name: str, namespace: str = "") -> dict[str, Any]:
+        return copy.deepcopy(self.store.delete(resource, namespace, name))
 
     def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._copy_or_none("pods", namespace, name)

@@ -22,8 +22,10 @@ from agent.emulators.apiserver_store import RESOURCES, Store
 
 log = logging.getLogger(__name__)
 
+# /api/v1/... for the core group, /apis/<group>/<version>/... for the others.
 _PATH = re.compile(
-    r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?/?$"
+    r"^/(?:api/v1|apis/(?P<group>[a-z0-9.-]+)/(?P<version>v[0-9a-z]+))"
+    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?/?$"
 )
 _MERGE_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 _JSON_PATCH = "application/json-patch+json"
@@ -117,15 +119,21 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, path: str, query: dict[str, str], body: Any) -> int:
         if path in ("/version", "/healthz", "/readyz"):
-            return self._send(200, {"major": "1", "minor": "34", "gitVersion": "v1.34.0-fake"})
+            # 1.36: the release whose resource.k8s.io/v1 (consumable capacity on) this models.
+            return self._send(200, {"major": "1", "minor": "36", "gitVersion": "v1.36.0-fake"})
         match = _PATH.match(path)
         if not match or match["res"] not in (*RESOURCES, "bindings"):
             raise ApiStatusError(404, "NotFound", f"the server could not find the requested resource {path}")
+        group, version = match["group"] or "", match["version"] or "v1"
         ns, res, name, sub = match["ns"], match["res"], match["name"], match["sub"]
-        if res == "bindings" and method == "POST" and ns and not name:
+        if res == "bindings" and not group and method == "POST" and ns and not name:
             return self._bind(ns, str((body or {}).get("metadata", {}).get("name") or ""), body)
         resource = RESOURCES.get(res)
-        if resource is None or (ns is not None and not resource.namespaced):
+        if (
+            resource is None
+            or (resource.group, resource.version) != (group, version)
+            or (ns is not None and not resource.namespaced)
+        ):
             raise ApiStatusError(404, "NotFound", f"the server could not find the requested resource {path}")
         store = self.api.store
         if name is None:
@@ -183,12 +191,12 @@ class ApiHandler(BaseHTTPRequestHandler):
         if query.get("watch") in ("true", "1"):
             return self._watch(res, ns, selector, rv, query)
         items, list_rv = self.api.store.list_items(res, ns, selector, rv, query.get("resourceVersionMatch"))
-        kind = RESOURCES[res].kind
+        resource = RESOURCES[res]
         return self._send(
             200,
             {
-                "kind": f"{kind}List",
-                "apiVersion": "v1",
+                "kind": f"{resource.kind}List",
+                "apiVersion": resource.api_version,
                 "metadata": {"resourceVersion": list_rv},
                 "items": items,
             },
@@ -197,7 +205,7 @@ class ApiHandler(BaseHTTPRequestHandler):
     def _watch(
         self, res: str, ns: str | None, selector: Selector, rv: str | None, query: dict[str, str]
     ) -> int:
-        store, kind = self.api.store, RESOURCES[res].kind
+        store, kind, api_version = self.api.store, RESOURCES[res].kind, RESOURCES[res].api_version
         timeout = min(float(query.get("timeoutSeconds") or self.api.max_watch_s), self.api.max_watch_s)
         bookmarks = query.get("allowWatchBookmarks") in ("true", "1")
         interval = self.api.bookmark_interval_s
@@ -229,7 +237,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                         self._chunk(
                             {
                                 "type": "BOOKMARK",
-                                "object": {"kind": kind, "apiVersion": "v1", "metadata": meta},
+                                "object": {"kind": kind, "apiVersion": api_version, "metadata": meta},
                             }
                         )
                     next_bookmark = time.monotonic() + interval

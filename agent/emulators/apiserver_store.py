@@ -26,12 +26,26 @@ class Resource:
     kind: str
     namespaced: bool
     has_status: bool  # writes to the object ignore status; the status subresource changes only status
+    group: str = ""  # "" is the core group, served under /api/v1
+    version: str = "v1"
+    status_on_create: bool = True  # False: a create drops status (its strategy's PrepareForCreate)
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
 
 
+_DRA = "resource.k8s.io"
+# Keyed by plural, which is unique across the groups served here.
 RESOURCES = {
     "pods": Resource("pods", "Pod", namespaced=True, has_status=True),
     "nodes": Resource("nodes", "Node", namespaced=False, has_status=True),
     "events": Resource("events", "Event", namespaced=True, has_status=False),
+    # Dynamic Resource Allocation (GA in 1.34): what drivers publish and users claim.
+    "resourceslices": Resource("resourceslices", "ResourceSlice", False, False, _DRA),
+    "deviceclasses": Resource("deviceclasses", "DeviceClass", False, False, _DRA),
+    "resourceclaims": Resource("resourceclaims", "ResourceClaim", True, True, _DRA, status_on_create=False),
+    "resourceclaimtemplates": Resource("resourceclaimtemplates", "ResourceClaimTemplate", True, False, _DRA),
 }
 _IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp")
 
@@ -134,9 +148,11 @@ class Store:
         name = new["metadata"].get("name")
         if not name:
             raise ApiStatusError(422, "Invalid", f"{resource}: metadata.name or generateName is required")
-        new["kind"], new["apiVersion"] = RESOURCES[resource].kind, "v1"
+        new["kind"], new["apiVersion"] = RESOURCES[resource].kind, RESOURCES[resource].api_version
         if resource == "pods":
             default_pod(new)
+        if not RESOURCES[resource].status_on_create:
+            new.pop("status", None)
         with self._cond:
             key = _key(new)
             if key in self._objects[resource]:
@@ -184,6 +200,7 @@ class Store:
                 **{k: old_meta[k] for k in _IMMUTABLE_META if k in old_meta},
             }
             new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
+            new["kind"], new["apiVersion"] = RESOURCES[resource].kind, RESOURCES[resource].api_version
             if new == current:
                 return current
             return self._commit(resource, "MODIFIED", current, new)

@@ -9,7 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -25,8 +25,11 @@ KUSTOMIZATIONS = (
     "deploy/overlays/cdi",
     "deploy/overlays/scheduler",
     "deploy/overlays/mps",
+    "deploy/overlays/dra",
 )
 SCHEMA_VERSIONS = ("1.30", "1.37")  # the oldest Kubernetes we claim, and the newest schemas shipped
+# resource.k8s.io/v1 is GA from 1.34; consumable capacity (what our slices use) is beta from 1.36.
+DRA_SCHEMA_VERSIONS = ("1.36", "1.37")
 AGENT = ("DaemonSet", "vcuda-agent")
 
 Doc = dict[str, Any]
@@ -71,10 +74,14 @@ def validator() -> Any:
         pytest.fail("kubernetes-validate is not installed: it is a dev dependency (pip install -e '.[dev]')")
 
 
-def validate(doc: Doc) -> None:
-    """Strict schema validation (unknown fields fail) for every Kubernetes version we claim."""
+def validate(doc: Doc, versions: Sequence[str] | None = None) -> None:
+    """Strict schema validation (unknown fields fail) for every Kubernetes version we claim
+    (``versions``; by default SCHEMA_VERSIONS, DRA_SCHEMA_VERSIONS for resource.k8s.io objects)."""
     kv = validator()
-    for version in SCHEMA_VERSIONS:
+    if versions is None:
+        dra = str(doc.get("apiVersion", "")).startswith("resource.k8s.io/")
+        versions = DRA_SCHEMA_VERSIONS if dra else SCHEMA_VERSIONS
+    for version in versions:
         problem = ""
         try:
             kv.validate(doc, version, strict=True)

@@ -34,7 +34,11 @@ BASE_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap"
 BASE_KINDS |= {"Deployment", "Service"}
 # The node agent's node-scoped rights (deploy/base/node-scope-policy.yaml).
 BASE_KINDS |= {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
-OVERLAY_KINDS = {"monitoring": {"ServiceMonitor"}, "scheduler": {"RoleBinding", "NetworkPolicy"}}
+OVERLAY_KINDS = {
+    "monitoring": {"ServiceMonitor"},
+    "scheduler": {"RoleBinding", "NetworkPolicy"},
+    "dra": {"DeviceClass"},
+}
 
 
 def agent_settings(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> Settings:

@@ -1,0 +1,174 @@
+"""The ResourceSlice this node publishes as the DRA driver ``gpu.vcuda.io`` (resource.k8s.io/v1).
+
+One slice per node, named ``<node>-gpu.vcuda.io``, holding the node's whole pool (pool name =
+node name, ``resourceSliceCount`` 1): one device per *healthy* GPU, named ``gpu-<index>``
+(agent/domain/dra.py), that many claims may share (``allowMultipleAllocations``, KEP-5075)
+through two consumable capacities:
+
+- ``cores``: 100 (as nvidia.com/vcuda-core); a request is 1..100 in steps of 1; a claim that
+  does not ask for cores consumes the default, 100: the whole GPU.
+- ``memory``: floor(GPU memory x deviceMemoryScaling) MiB, as bytes (``"<MiB>Mi"``); requests
+  are rounded up to whole MiB; a claim that does not ask for memory consumes 0 and gets no
+  memory quota, as a device-plugin pod without nvidia.com/vcuda-memory. (A validRange needs a
+  default; "0" keeps a cores-only claim from locking the GPU's memory, which a default of the
+  whole memory would do.)
+
+Attributes follow what NVIDIA's DRA driver publishes for a GPU, so selectors carry over:
+``type`` "gpu", ``uuid``, ``productName``, ``index``, ``minor``, ``driverVersion`` (a semantic
+version, when known), and the standard ``resource.kubernetes.io/pciBusID`` and
+``resource.kubernetes.io/numaNode`` (left out when the platform does not say).
+
+Consumers must only use the slices of a pool's highest ``spec.pool.generation``, so the
+publisher (agent/control/drapublisher.py) bumps it whenever the devices change; this module
+only builds and compares contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agent.domain.dra import CORES, DRIVER, MEMORY, device_name
+from agent.domain.ids import UNITS_PER_GPU
+from agent.domain.nodeinventory import schedulable_mib
+from agent.platform.gpu.inventory import GpuInfo
+
+API_VERSION = "resource.k8s.io/v1"
+KIND = "ResourceSlice"
+PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+NUMA_NODE_ATTRIBUTE = "resource.kubernetes.io/numaNode"
+DEVICE_TYPE = "gpu"
+_NAME_MAX = 253  # a DNS subdomain
+_STRING_MAX = 64  # an attribute's string value
+_BDF = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
+_VERSION = re.compile(r"^([0-9]+)\.([0-9]+)(?:\.([0-9]+))?$")
+
+# The spec fields the agent owns; a slice that differs in any of them is rewritten.
+_OWNED = ("driver", "nodeName", "devices")
+
+
+def slice_name(node: str) -> str:
+    """``<node>-gpu.vcuda.io``; a node name too long for that is cut and made unique by a hash."""
+    name = f"{node}-{DRIVER}"
+    if len(name) <= _NAME_MAX:
+        return name
+    digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+    keep = _NAME_MAX - len(DRIVER) - len(digest) - 2
+    return f"{node[:keep].rstrip('.-')}-{digest}-{DRIVER}"
+
+
+def gpu_device(gpu: GpuInfo, memory_mib: int, driver_version: str | None = None) -> dict[str, Any]:
+    """The device of one GPU with ``memory_mib`` MiB to share."""
+    attributes: dict[str, Any] = {
+        "type": {"string": DEVICE_TYPE},
+        "uuid": {"string": gpu.uuid[:_STRING_MAX]},
+        "productName": {"string": gpu.model[:_STRING_MAX]},
+        "index": {"int": gpu.index},
+        "minor": {"int": gpu.minor},
+    }
+    version = semantic_version(driver_version or "")
+    if version:
+        attributes["driverVersion"] = {"version": version}
+    bus_id = pci_bus_id(gpu.pci_bus_id)
+    if bus_id:
+        attributes[PCI_BUS_ID_ATTRIBUTE] = {"string": bus_id}
+    if gpu.numa_node is not None and gpu.numa_node >= 0:  # -1: no NUMA affinity, never published
+        attributes[NUMA_NODE_ATTRIBUTE] = {"int": gpu.numa_node}
+    return {
+        "name": device_name(gpu.index),
+        "allowMultipleAllocations": True,
+        "attributes": attributes,
+        "capacity": {
+            CORES: {
+                "value": str(UNITS_PER_GPU),
+                "requestPolicy": {
+                    "default": str(UNITS_PER_GPU),
+                    "validRange": {"min": "1", "max": str(UNITS_PER_GPU), "step": "1"},
+                },
+            },
+            MEMORY: {
+                "value": f"{memory_mib}Mi",
+                "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1Mi"}},
+            },
+        },
+    }
+
+
+def desired_devices(
+    gpus: Sequence[GpuInfo],
+    healthy: Mapping[int, bool],
+    scaling: float,
+    driver_version: str | None = None,
+) -> list[dict[str, Any]]:
+    """The devices to publish, by GPU index: unhealthy GPUs (and any without a whole MiB to
+    share, which no memory policy could describe) are left out. A GPU missing from ``healthy``
+    counts as healthy, as in nodeinventory.memory_capacity_mib."""
+    devices = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        mib = schedulable_mib(gpu.memory_mib, scaling)
+        if healthy.get(gpu.index, True) and mib >= 1:
+            devices.append(gpu_device(gpu, mib, driver_version))
+    return devices
+
+
+def build_slice(
+    node: str, devices: Sequence[Mapping[str, Any]], generation: int, resource_version: str | None = None
+) -> dict[str, Any]:
+    """The whole ResourceSlice; ``resource_version`` makes a replacement conditional."""
+    metadata: dict[str, Any] = {
+        "name": slice_name(node),
+        "labels": {"app.kubernetes.io/managed-by": "vcuda-agent"},
+    }
+    if resource_version:
+        metadata["resourceVersion"] = resource_version
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+            "devices": [dict(d) for d in devices],
+        },
+    }
+
+
+def pool_generation(obj: Mapping[str, Any]) -> int:
+    """spec.pool.generation of a slice read back (0 when missing or malformed)."""
+    pool = (obj.get("spec") or {}).get("pool") or {}
+    generation = pool.get("generation")
+    return generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
+
+
+def is_current(obj: Mapping[str, Any], node: str, devices: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a slice read back already says what we would publish (generation aside)."""
+    spec = obj.get("spec") or {}
+    want = build_slice(node, devices, 0)["spec"]
+    pool = spec.get("pool") or {}
+    return all(spec.get(k) == want[k] for k in _OWNED) and (
+        pool.get("name"),
+        pool.get("resourceSliceCount"),
+    ) == (node, 1)
+
+
+def pci_bus_id(text: str) -> str | None:
+    """NVML's ``00000000:3B:00.0`` as the standard attribute wants it (extended BDF, lower
+    case, 4-digit domain when it fits): ``0000:3b:00.0``; None for anything else."""
+    match = _BDF.match(text.strip())
+    if not match:
+        return None
+    domain, bus, device, function = match.groups()
+    return f"{int(domain, 16):04x}:{bus.lower()}:{device.lower()}.{function}"
+
+
+def semantic_version(text: str) -> str | None:
+    """A driver version as semver 2.0: ``535.104.05`` → ``535.104.5`` (no leading zeros),
+    ``550.54`` → ``550.54.0``; None when it is not numeric."""
+    match = _VERSION.match(text.strip())
+    if not match:
+        return None
+    major, minor, patch = match.groups()
+    return f"{int(major)}.{int(minor)}.{int(patch or 0)}"
