@@ -186,6 +186,8 @@ class DraSettings:
     DRA gRPC service and the CDI specs of prepared claims. kubelet dials the DRA socket at the
     path the agent sees, so the DaemonSet mounts these host directories at the same paths."""
 
+    enabled: bool = False  # --dra: serve claims as the DRA driver gpu.vcuda.io
+    gpus: frozenset[int] | None = None  # the GPUs handed to DRA (None: all); the device plugin keeps the rest
     registry_dir: Path = DEFAULT_PLUGINS_REGISTRY  # kubelet's plugin watcher dials sockets here
     plugin_dir: Path = DEFAULT_DRA_PLUGIN_DIR  # the DRA service socket
     cdi_dir: Path = DEFAULT_CDI_DIR  # one spec file per prepared claim

@@ -44,10 +44,13 @@ class KubeIntegration:
         placer: Placer,
         scaling: Callable[[], float],
         bounds: Callable[[], SpecBounds] = SpecBounds,
+        plugin_gpus: Sequence[GpuInfo] | None = None,
     ) -> None:
+        """``plugin_gpus``: the GPUs the device plugin offers (default all), which the node's
+        vcuda-memory and the extender's inventory describe; the ledger holds every GPU."""
         self.settings = settings
         self.node_name = node_name
-        api = api_client(settings.kubeconfig, in_cluster=settings.kubeconfig is None)
+        api = self.api = api_client(settings.kubeconfig, in_cluster=settings.kubeconfig is None)
         self.pods = PodCache(api, node_name)
         self.events = EventRecorder(api, node_name)
         self.annotator = Annotator(PodWriter(api))
@@ -55,7 +58,7 @@ class KubeIntegration:
         self.publisher = NodePublisher(
             NodeClient(api, node_name),
             self.node_watch,
-            gpus,
+            gpus if plugin_gpus is None else plugin_gpus,
             topology,
             board,
             scaling=scaling,

@@ -25,6 +25,7 @@ from agent.settings import Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
+from agent.surfaces.dranode import DraIntegration, split_gpus
 from agent.surfaces.enforcementnode import EnforcementIntegration
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
@@ -69,8 +70,9 @@ class NodeAgent:
         driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
         responses = ResponseBuilder(plugin.device_list_strategy, driver, plugin.driver_root)
         topology = self.backend.topology()
-        placer = Placer(self.gpus, topology)
-        self.service = DevicePluginService(self.gpus, topology, self.board, responses, placer)
+        plugin_gpus, dra_gpus = split_gpus(self.gpus, settings.dra)
+        placer = Placer(plugin_gpus, topology)
+        self.service = DevicePluginService(plugin_gpus, topology, self.board, responses, placer)
         self.endpoint = PluginEndpoint(plugin, self.service)
         self.supervisor = Supervisor()
         self.kube: KubeIntegration | None = None
@@ -84,6 +86,7 @@ class NodeAgent:
                 placer=placer,
                 scaling=lambda: self.config.node.device_memory_scaling,
                 bounds=lambda: SpecBounds.of(self.config.node),
+                plugin_gpus=plugin_gpus,
             )
             self.service.allocations = self.kube.allocations
             self.service.recovery = self.kube.recovery
@@ -95,6 +98,20 @@ class NodeAgent:
             kube=self.kube,
         )
         self.service.mps = self.sharing
+        self.dra: DraIntegration | None = None
+        if settings.dra.enabled and self.kube is not None:
+            self.dra = DraIntegration(
+                settings.dra,
+                node_name=settings.node_name,
+                gpus=dra_gpus,
+                board=self.board,
+                scaling=lambda: self.config.node.device_memory_scaling,
+                kube=self.kube,
+                responses=responses,
+                sharing=self.sharing,
+            )
+        elif settings.dra.enabled:
+            log.error("--dra needs the Kubernetes API (claims are read from it): not serving DRA")
         self.host: HostIntegration | None = None
         try:
             self.host = HostIntegration(settings.cgroups, settings.bpf, self.config.node)
@@ -116,26 +133,30 @@ class NodeAgent:
             )
         elif settings.use_kube:
             log.error("no enforcement: it needs the host integration (cgroups) and the Kubernetes API")
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(AgentCollector(self))
+        self.registry = self._collectors(settings)
+        self.metrics: MetricsServer | None = None
+
+    def _collectors(self, settings: Settings) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(AgentCollector(self))
         if self.kube is not None:
-            self.registry.register(AllocationCollector(self.kube, self.gpus))
+            registry.register(AllocationCollector(self.kube, self.gpus))
         if self.host is not None:
-            self.registry.register(HostCollector(self.host, settings.node_name))
+            registry.register(HostCollector(self.host, settings.node_name))
         if self.enforcement is not None:
-            self.registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
-        self.registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
-        self.registry.register(
+            registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
+        registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
+        registry.register(
             SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name)
         )
         if self.host is not None and self.kube is not None:
             host, specs, node = self.host, self.kube.specs, settings.node_name
             tracer = TracerCollector(lambda: host.tracer, host.resolver.index_cgroup_ids, specs, node)
-            self.registry.register(tracer)
+            registry.register(tracer)
         if self.enforcement is not None and self.kube is not None and settings.metrics.legacy:
             legacy = LegacyCollector(self.enforcement, self.kube.specs, self.gpus, settings.node_name)
-            self.registry.register(legacy)
-        self.metrics: MetricsServer | None = None
+            registry.register(legacy)
+        return registry
 
     # AgentView ---------------------------------------------------------------
     def gpu_list(self) -> Sequence[GpuInfo]:
@@ -193,6 +214,8 @@ class NodeAgent:
         if self.kube is not None:
             self.kube.start(self.supervisor)  # the ledger is rebuilt before kubelet can Allocate
         log.info("sharing mode %s%s", self.sharing.mode(), _mps_note(self.sharing))
+        if self.dra is not None:
+            self.dra.start(self.supervisor)  # after the rebuild: prepared claims join the ledger
         self.supervisor.spawn("mps", self.sharing.run)  # after the rebuild: it knows the shares
         if self.enforcement is not None:
             self.enforcement.start(self.supervisor)  # thaws what a previous run left frozen first
@@ -206,6 +229,8 @@ class NodeAgent:
             self.kube.stop()  # flush queued annotations and events while their loops still run
         self.supervisor.stop_event.set()  # background loops wind down while the rest stops
         self.endpoint.stop()
+        if self.dra is not None:
+            self.dra.stop()
         if self.metrics is not None:
             self.metrics.stop()
         self.supervisor.stop()

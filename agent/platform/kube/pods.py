@@ -41,6 +41,11 @@ def int_quantity(text: str) -> int:
     return int(match.group(1)) * _FACTORS[match.group(2)]
 
 
+# The pod claim name under which resource_claims lists the claim made for its extended
+# resources (not a valid DNS label, so no claim of the pod's own can have it).
+EXTENDED_CLAIM = "<extended-resources>"
+
+
 @dataclass(frozen=True)
 class ContainerInfo:
     name: str
@@ -122,8 +127,14 @@ def _parse(obj: Mapping[str, Any]) -> PodInfo:
         raise PodFormatError(f"pod without metadata.uid or metadata.name: {dict(meta)!r:.200}")
     ids = _container_ids(status.get("initContainerStatuses"))
     ids.update(_container_ids(status.get("containerStatuses")))
-    containers = [_container(c, i, True, ids) for i, c in enumerate(spec.get("initContainers") or [])]
-    containers += [_container(c, i, False, ids) for i, c in enumerate(spec.get("containers") or [])]
+    extended = _extended_claim(status.get("extendedResourceClaimStatus"))
+    containers = [
+        _container(c, i, True, ids, extended) for i, c in enumerate(spec.get("initContainers") or [])
+    ]
+    containers += [_container(c, i, False, ids, extended) for i, c in enumerate(spec.get("containers") or [])]
+    claims = _resource_claims(spec.get("resourceClaims"), status.get("resourceClaimStatuses"))
+    if extended[1]:
+        claims[EXTENDED_CLAIM] = extended[1]
     return PodInfo(
         uid=uid,
         namespace=str(meta.get("namespace") or "default"),
@@ -138,7 +149,7 @@ def _parse(obj: Mapping[str, Any]) -> PodInfo:
         containers=tuple(containers),
         qos_class=str(status.get("qosClass") or _qos_class(containers)),
         scheduler_name=str(spec.get("schedulerName") or "default-scheduler"),
-        resource_claims=_resource_claims(spec.get("resourceClaims"), status.get("resourceClaimStatuses")),
+        resource_claims=claims,
     )
 
 
@@ -160,7 +171,24 @@ def _container_ids(statuses: Any) -> dict[str, str]:
     return {str(s.get("name")): str(s.get("containerID") or "") for s in statuses or [] if s.get("name")}
 
 
-def _container(raw: Mapping[str, Any], index: int, init: bool, ids: Mapping[str, str]) -> ContainerInfo:
+def _extended_claim(raw: Any) -> tuple[frozenset[str], str]:
+    """(containers, claim name) of the claim the scheduler made for extended resources that
+    DRA serves (KEP-5004: status.extendedResourceClaimStatus)."""
+    if not raw:
+        return frozenset(), ""
+    users = frozenset(
+        str(m.get("containerName")) for m in raw.get("requestMappings") or [] if m.get("containerName")
+    )
+    return users, str(raw.get("resourceClaimName") or "")
+
+
+def _container(
+    raw: Mapping[str, Any],
+    index: int,
+    init: bool,
+    ids: Mapping[str, str],
+    extended: tuple[frozenset[str], str] = (frozenset(), ""),
+) -> ContainerInfo:
     name = str(raw.get("name") or "")
     resources = raw.get("resources") or {}
     merged = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
@@ -172,7 +200,8 @@ def _container(raw: Mapping[str, Any], index: int, init: bool, ids: Mapping[str,
         resources={str(k): str(v) for k, v in merged.items()},
         container_id=container_id,
         runtime=runtime,
-        claims=tuple(str(c.get("name")) for c in resources.get("claims") or [] if c.get("name")),
+        claims=tuple(str(c.get("name")) for c in resources.get("claims") or [] if c.get("name"))
+        + ((EXTENDED_CLAIM,) if name in extended[0] and extended[1] else ()),
     )
 
 

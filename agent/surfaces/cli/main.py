@@ -12,6 +12,7 @@ from agent.settings import (
     DEFAULT_POD_RESOURCES_SOCKET,
     ActuatorMode,
     DeviceListStrategy,
+    DraSettings,
     EnforcementSettings,
     GuardMode,
     MemoryQuotaMode,
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the generated BPF programs (ioctl tracer, device guard) and exit",
     )
     _add_enforcement_options(p)
+    _add_dra_options(p)
     sim.add_sim_state_dir(p)
     p.set_defaults(func=run.main)
 
@@ -275,6 +277,41 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         "--no-watchdog",
         action="store_true",
         help="no watchdog process (it thaws every container the agent froze if the agent dies)",
+    )
+
+
+def _add_dra_options(p: argparse.ArgumentParser) -> None:
+    defaults = DraSettings()
+    g = p.add_argument_group("DRA driver gpu.vcuda.io (docs/dra.md)")
+    g.add_argument(
+        "--dra",
+        action="store_true",
+        help="also serve claims as the DRA driver gpu.vcuda.io: publish a ResourceSlice, prepare claims "
+        "for kubelet, hold them like device-plugin shares",
+    )
+    g.add_argument(
+        "--dra-gpus",
+        default="all",
+        metavar="LIST",
+        help="the GPU indexes handed to DRA, e.g. 2,3 (default all); the device plugin offers the others",
+    )
+    g.add_argument(
+        "--dra-registry-dir",
+        default=str(defaults.registry_dir),
+        metavar="DIR",
+        help=f"kubelet's plugin registry (default {defaults.registry_dir})",
+    )
+    g.add_argument(
+        "--dra-plugin-dir",
+        default=str(defaults.plugin_dir),
+        metavar="DIR",
+        help=f"where the DRA service socket is served (default {defaults.plugin_dir})",
+    )
+    g.add_argument(
+        "--cdi-dir",
+        default=str(defaults.cdi_dir),
+        metavar="DIR",
+        help=f"where prepared claims' CDI specs are written (default {defaults.cdi_dir})",
     )
 
 

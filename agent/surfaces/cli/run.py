@@ -23,6 +23,7 @@ from agent.settings import (
     CgroupSettings,
     DeviceListStrategy,
     DevicePluginSettings,
+    DraSettings,
     EnforcementSettings,
     GuardMode,
     HealthSettings,
@@ -60,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             problems += err.problems
     enforcement = enforcement_from_args(args, problems)
     sharing = sharing_from_args(args, problems)
+    dra = dra_from_args(args, problems)
     if problems:
         raise ConfigError(problems)
     driver_in_agent = Path(args.driver_root_in_agent) if args.driver_root_in_agent else None
@@ -95,6 +97,24 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ),
         enforcement=enforcement,
         sharing=sharing,
+        dra=dra,
+    )
+
+
+def dra_from_args(args: argparse.Namespace, problems: list[str]) -> DraSettings:
+    gpus: frozenset[int] | None = None
+    if args.dra_gpus.strip() != "all":
+        try:
+            gpus = parse_int_set(args.dra_gpus, "--dra-gpus")
+        except ConfigError as err:
+            problems += err.problems
+    return DraSettings(
+        enabled=args.dra,
+        gpus=gpus,
+        registry_dir=Path(args.dra_registry_dir),
+        plugin_dir=Path(args.dra_plugin_dir),
+        cdi_dir=Path(args.cdi_dir),
+        state_dir=Path(args.state_dir),  # the prepared-claims checkpoint beside the freeze journal
     )
 
 

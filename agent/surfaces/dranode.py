@@ -1,0 +1,94 @@
+"""The node agent as the DRA driver gpu.vcuda.io (``run --dra``), built from the settings:
+the ResourceSlice of the node's DRA GPUs, the kubelet plugin that prepares claims on them,
+and the prepared claims kept in the allocation ledger, so that the controller, the memory
+guard, metrics and status hold and show claims like device-plugin allocations.
+
+Both entry paths can run on one node without counting a GPU twice: ``--dra-gpus`` hands some
+GPUs (default all) to DRA; the device plugin offers only the others (their vcuda-core IDs and
+their vcuda-memory), and the slice only these. The ledger sees both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from agent.control.draledger import ClaimLedger
+from agent.control.drapublisher import SlicePublisher
+from agent.control.mpssharing import MpsSharing
+from agent.control.supervisor import Supervisor
+from agent.domain.dra import DRIVER, PreparedClaim
+from agent.domain.health import HealthBoard
+from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.kube.resourceclaims import ResourceClaimClient
+from agent.platform.kube.resourceslices import ResourceSliceClient
+from agent.settings import DraSettings
+from agent.surfaces.deviceplugin.responses import ResponseBuilder
+from agent.surfaces.draplugin.plugin import DraKubeletPlugin
+from agent.surfaces.kubenode import KubeIntegration
+
+log = logging.getLogger(__name__)
+
+
+def split_gpus(
+    gpus: Sequence[GpuInfo], settings: DraSettings
+) -> tuple[tuple[GpuInfo, ...], tuple[GpuInfo, ...]]:
+    """(the device plugin's GPUs, DRA's GPUs)."""
+    if not settings.enabled:
+        return tuple(gpus), ()
+    dra = tuple(g for g in gpus if settings.gpus is None or g.index in settings.gpus)
+    return tuple(g for g in gpus if g not in dra), dra
+
+
+class DraIntegration:
+    def __init__(
+        self,
+        settings: DraSettings,
+        *,
+        node_name: str,
+        gpus: Sequence[GpuInfo],
+        board: HealthBoard,
+        scaling: Callable[[], float],
+        kube: KubeIntegration,
+        responses: ResponseBuilder,
+        sharing: MpsSharing,
+    ) -> None:
+        self.gpus = tuple(gpus)
+        self.publisher = SlicePublisher(
+            ResourceSliceClient(kube.api, node_name, DRIVER),
+            gpus,
+            board,
+            scaling=scaling,
+            node_name=node_name,
+        )
+        self.plugin = DraKubeletPlugin(
+            settings,
+            node_name=node_name,
+            gpus=gpus,
+            claims=ResourceClaimClient(kube.api, settings.api_timeout_s),
+            responses=responses,
+            board=board,
+            mps=sharing,
+            default_policy=lambda: kube.specbook.default_policy().value,
+        )
+        self.claims = ClaimLedger(kube.ledger, kube.pods, self.plugin.prepared)
+        self.plugin.prepared.subscribe(self._on_prepared)
+
+    def _on_prepared(self, prepared: Sequence[PreparedClaim]) -> None:
+        self.claims.poke()
+
+    def start(self, supervisor: Supervisor) -> None:
+        """After the ledger's rebuild: the prepared claims (from the checkpoint) join it first."""
+        self.claims.sync()
+        supervisor.spawn("dra-claims", self.claims.run)
+        supervisor.spawn("dra-slice-publisher", self.publisher.run)
+        self.plugin.start()
+        log.info(
+            "DRA driver %s: GPUs %s published, %d claims prepared",
+            DRIVER,
+            ",".join(str(g.index) for g in self.gpus) or "none",
+            len(self.plugin.prepared.prepared()),
+        )
+
+    def stop(self) -> None:
+        self.plugin.stop()

@@ -1,0 +1,90 @@
+"""The agent as a DRA driver end to end, as a real process (`vcuda-agent run --dra`): it
+publishes a ResourceSlice, the emulated allocator allocates a claim for 30 cores and 4 GiB from
+it, the kubelet DRA emulator prepares it over the agent's socket, the workload starts with the
+CDI environment, and the agent holds it at 30 % on the GPU engine, through the same ledger,
+specs and controller as a device-plugin share. One GPU serves each entry path on the same node
+(``--dra-gpus``), and neither counts the other's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.domain.dra import DRIVER, claim_ref
+from agent.emulators.draadmission import ClaimPods
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, wait_for
+from agent.emulators.kubelet_dra import KubeletDraEmulator
+from agent.surfaces.statusclient import fetch_status
+from tests.integration.cgroup_trees import real_layout
+
+SETTLE_S = 5.0
+MEASURE_S = 15.0
+
+
+@dataclass
+class DraRig:
+    node: EnforcedNode
+    kubelet: KubeletDraEmulator
+    pods: ClaimPods
+
+    def status(self) -> dict[str, Any]:
+        return fetch_status(self.node.state_dir / "status.sock")
+
+    def rows(self) -> dict[str, tuple[int, dict[str, Any]]]:
+        """pod name -> (GPU index, its container row in status)."""
+        return {c["pod"]: (g["index"], c) for g in self.status()["gpus"] for c in g.get("containers") or []}
+
+
+@pytest.fixture
+def rig(short_dir: Path) -> Iterator[DraRig]:
+    real_layout()  # skips, with the reason, where there are no cgroups to make
+    registry, cdi = short_dir / "reg", short_dir / "cdi"
+    kubelet = KubeletDraEmulator(registry)
+    kubelet.start()
+    args: tuple[str, ...] = ("--device-guard", "off", "--no-ioctl-tracing", "--dra", "--dra-gpus", "1")
+    args += (
+        "--dra-registry-dir",
+        str(registry),
+        "--dra-plugin-dir",
+        str(short_dir / "dra"),
+        "--cdi-dir",
+        str(cdi),
+    )
+    try:
+        with enforced_node(short_dir / "n", "2xH100-80GB", agent_args=args) as node:
+            kubelet.wait_for_plugin(DRIVER, timeout_s=30)
+            yield DraRig(node, kubelet, ClaimPods(node, kubelet, cdi))
+    finally:
+        kubelet.stop()
+
+
+def test_a_claim_for_30_cores_and_4_gib_is_held_at_30_percent(rig: DraRig) -> None:
+    published = rig.pods.wait_for_slice()
+    assert [d["name"] for d in published["spec"]["devices"]] == ["gpu-1"]  # GPU 0 is the device plugin's
+    plugin_pod = rig.node.run_pod("plugin-share", 50)  # the device plugin's GPU, the other path
+    claimed = rig.pods.run("dra-share", 30, 4096)
+    assert claimed.gpu == 1
+    time.sleep(SETTLE_S)
+    used_claim, used_plugin = rig.node.utilization([claimed.box, plugin_pod], MEASURE_S)
+    assert used_claim == pytest.approx(30, abs=3), f"claim of 30 cores used {used_claim:.1f}%"
+    assert used_plugin == pytest.approx(50, abs=3)
+    gpu, row = rig.rows()["dra-share"]
+    assert (gpu, row["capPercent"], row["memoryQuotaMiB"], row["policy"]) == (1, 30, 4096, "fixed-share")
+    gpus = {g["index"]: g for g in rig.status()["gpus"]}
+    assert (gpus[0]["coresAllocated"], gpus[1]["coresAllocated"]) == (50, 30)
+
+
+def test_an_unprepared_claim_leaves_the_ledger(rig: DraRig) -> None:
+    rig.pods.wait_for_slice()
+    claimed = rig.pods.run("brief", 20, 1024, policy="burst-share")
+    wait_for(lambda: "brief" in rig.rows(), 10, "the claim in the ledger")
+    assert rig.rows()["brief"][1]["policy"] == "burst-share"
+    claimed.box.proc.kill()
+    ref = claim_ref(claimed.claim)
+    assert rig.kubelet.unprepare(DRIVER, [ref]) == {ref.uid: ""}
+    wait_for(lambda: "brief" not in rig.rows(), 10, "the claim gone from the ledger")
