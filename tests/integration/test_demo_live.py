@@ -74,7 +74,15 @@ def test_the_live_table_runs_for_its_duration_and_shows_every_pod(short_dir: Pat
     text = out.read_text(errors="replace")
     assert code == 0, text[-3000:]
     assert "metrics: http://127.0.0.1:" in text
-    for pod in ("cuda-share-50", "fixed-30", "best-effort-10", "leaky-10", "burst-40", "fixed-50"):
+    for pod in (
+        "cuda-share-50",
+        "fixed-30",
+        "best-effort-10",
+        "leaky-10",
+        "burst-40",
+        "fixed-50",
+        "dra-claim-30",
+    ):
         assert f"│{pod}" in text, f"no table row for {pod}:\n{text[-3000:]}"
     assert "killed pid" in text, "the pod over its memory quota was not shown killed"
     assert "watchdog thawed all of them" in text or "watchdog step skipped" in text

@@ -8,8 +8,9 @@ The story: GPU 0 is shared by the example pod ``cuda-share-50`` (a training loop
 50 %), a fixed-share 30 pod running CUDA graphs, a best-effort inference server and a pod
 that grows past its memory quota and is killed; GPU 1 runs a burst-share pod alone (it
 borrows the idle GPU) until a fixed-share neighbour arrives and it is brought back to its
-request. An ignored XID 13 shows in the metrics. Then the agent is SIGKILLed while it
-throttles and the watchdog thaws every container."""
+request. GPU 2 is served through DRA: a claim for 30 cores and 4 GiB is published, allocated,
+prepared and held at 30 % (demo_dra.py). An ignored XID 13 shows in the metrics. Then the
+agent is SIGKILLed while it throttles and the watchdog thaws every container."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from agent.emulators.enforcednode import EnforcedNode, enforced_node, frozen, wa
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.sim.client import post_event
+from agent.surfaces.cli.demo_dra import CLAIM_CORES, CLAIM_MIB, CLAIM_POD, dra_kubelet, start_claim
 from agent.surfaces.cli.demo_table import PodRow, gpu_line, pod_table
 from agent.surfaces.statusclient import fetch_status
 
@@ -78,6 +80,7 @@ PODS = (
     PodPlan("burst-40", 40, {POLICY: "burst-share"}, busy=0.75, workload_mib=900),  # alone: up to 75 %
 )
 NEIGHBOUR = PodPlan("fixed-50", 50, {POLICY: "fixed-share"}, workload_mib=700)
+CLAIM_PLAN = PodPlan(CLAIM_POD, CLAIM_CORES, memory_mib=CLAIM_MIB)  # from a ResourceClaim (demo_dra.py)
 
 
 @dataclass
@@ -92,16 +95,22 @@ def run(workdir: Path, duration: float | None, metrics_address: str, console: Co
     """Runs until ``duration`` seconds have passed (None: until Ctrl-C). Needs root and a
     cgroup v2 hierarchy; raises PlatformError where there is none."""
     logging.getLogger("agent.emulators").setLevel(logging.WARNING)  # the table tells the story
-    agent_args = ("--metrics-address", metrics_address)
-    with enforced_node(workdir, "2xH100-80GB", agent_args=agent_args) as node:
-        url = wait_for(lambda: _metrics_url(node), 10, "the agent's metrics address")
-        console.print(f"metrics: {url}  (Prometheus can scrape it; `vcuda-agent status` works too)")
-        console.print(f"status: vcuda-agent status --socket {node.state_dir / 'status.sock'}")
-        console.print(f"cgroups: {node.cgroup_root}")
-        started = time.monotonic()  # t = 0 of the table and of --duration
-        pods = [_start(node, plan, console) for plan in PODS]
-        LiveAct(node, pods, duration, console, started).run()
-        _crash(node, [p.box for p in pods], console)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with dra_kubelet(workdir) as (dirs, kubelet):
+        agent_args = ("--metrics-address", metrics_address, *dirs.agent_args())
+        with enforced_node(workdir, "3xH100-80GB", agent_args=agent_args) as node:
+            url = wait_for(lambda: _metrics_url(node), 10, "the agent's metrics address")
+            console.print(f"metrics: {url}  (Prometheus can scrape it; `vcuda-agent status` works too)")
+            console.print(f"status: vcuda-agent status --socket {node.state_dir / 'status.sock'}")
+            console.print(f"cgroups: {node.cgroup_root}")
+            started = time.monotonic()  # t = 0 of the table and of --duration
+            pods = [_start(node, plan, console) for plan in PODS]
+            claimed = start_claim(node, kubelet, dirs, console)
+            pods.append(
+                Tracked(CLAIM_PLAN, claimed.box, node.gpu_seconds([claimed.box])[0], time.monotonic())
+            )
+            LiveAct(node, pods, duration, console, started).run()
+            _crash(node, [p.box for p in pods], console)
 
 
 def _metrics_url(node: EnforcedNode) -> str | None:
