@@ -88,3 +88,14 @@ def test_an_unprepared_claim_leaves_the_ledger(rig: DraRig) -> None:
     ref = claim_ref(claimed.claim)
     assert rig.kubelet.unprepare(DRIVER, [ref]) == {ref.uid: ""}
     wait_for(lambda: "brief" not in rig.rows(), 10, "the claim gone from the ledger")
+
+
+def test_two_claims_on_one_gpu_are_each_held_to_their_consumed_cores(rig: DraRig) -> None:
+    rig.pods.wait_for_slice()
+    small = rig.pods.run("claim-30", 30, 2048)
+    large = rig.pods.run("claim-60", 60, 2048)
+    assert small.gpu == large.gpu == 1  # the one device in the slice, consumed 30 + 60 of its 100
+    time.sleep(SETTLE_S)
+    used_small, used_large = rig.node.utilization([small.box, large.box], MEASURE_S)
+    assert used_small == pytest.approx(30, abs=3), f"claim of 30 cores used {used_small:.1f}%"
+    assert used_large == pytest.approx(60, abs=3), f"claim of 60 cores used {used_large:.1f}%"
