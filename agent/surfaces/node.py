@@ -30,6 +30,7 @@ from agent.surfaces.enforcementnode import EnforcementIntegration
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.metrics.collector import AgentCollector
+from agent.surfaces.metrics.dra_collector import DraCollector
 from agent.surfaces.metrics.enforcement_collector import EnforcementCollector
 from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer
@@ -146,9 +147,9 @@ class NodeAgent:
         if self.enforcement is not None:
             registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
         registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
-        registry.register(
-            SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name)
-        )
+        if self.dra is not None:
+            registry.register(DraCollector(self.dra, settings.node_name))
+        registry.register(SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name))
         if self.host is not None and self.kube is not None:
             host, specs, node = self.host, self.kube.specs, settings.node_name
             tracer = TracerCollector(lambda: host.tracer, host.resolver.index_cgroup_ids, specs, node)

@@ -75,6 +75,18 @@ def test_a_claim_for_30_cores_and_4_gib_is_held_at_30_percent(rig: DraRig) -> No
     assert used_plugin == pytest.approx(50, abs=3)
     gpu, row = rig.rows()["dra-share"]
     assert (gpu, row["capPercent"], row["memoryQuotaMiB"], row["policy"]) == (1, 30, 4096, "fixed-share")
+    metrics = rig.node.metrics()
+    for line in (
+        "vcuda_dra_plugin_registered{node=",
+        "vcuda_dra_prepared_claims{node=",
+        "vcuda_dra_slice_devices{node=",
+    ):
+        [sample] = [m for m in metrics.splitlines() if m.startswith(line)]
+        assert sample.endswith(" 1.0"), sample
+    assert (
+        'vcuda_container_cap_ratio{container="c",gpu="1",namespace="default",node="sim-node",pod="dra-share"} 0.3'
+        in metrics
+    )
     gpus = {g["index"]: g for g in rig.status()["gpus"]}
     assert (gpus[0]["coresAllocated"], gpus[1]["coresAllocated"]) == (50, 30)
 
