@@ -90,5 +90,17 @@ class DraIntegration:
             len(self.plugin.prepared.prepared()),
         )
 
+    def describe(self) -> str:
+        """One line for ``vcuda-agent status``."""
+        endpoint = self.plugin.status()
+        stats = self.publisher.stats
+        registered = (
+            "registered" if endpoint.registered else f"not registered ({endpoint.last_error or 'waiting'})"
+        )
+        slice_state = f"slice generation {stats.generation}, devices: {stats.devices}"
+        if stats.last_error:
+            slice_state += f", last error: {stats.last_error}"
+        return f"{registered}; prepared claims: {len(self.plugin.prepared.prepared())}; {slice_state}"
+
     def stop(self) -> None:
         self.plugin.stop()

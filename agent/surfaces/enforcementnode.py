@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.clock import Clock, SystemClock
@@ -69,6 +69,7 @@ class EnforcementIntegration:
         self._host = host
         self._kube = kube
         self.sharing = sharing
+        self.dra_state: Callable[[], str] = lambda: "off"  # the node agent sets it under --dra
         self._clock = clock or SystemClock()
         self._started = self._clock.monotonic()
         procfs = ProcFS(host.cgroup_settings.proc_root)
@@ -201,6 +202,7 @@ class EnforcementIntegration:
             watchdog=self.watchdog_state(),
             bpf=self._host.bpf_status(),
             freeze_journal=self.journal.write_error or "ok",
+            dra=self.dra_state(),
         )
         return status_document(
             node=self.node_name,

@@ -134,6 +134,8 @@ class NodeAgent:
             )
         elif settings.use_kube:
             log.error("no enforcement: it needs the host integration (cgroups) and the Kubernetes API")
+        if self.enforcement is not None and self.dra is not None:
+            self.enforcement.dra_state = self.dra.describe
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
 

@@ -7,7 +7,7 @@ the Kubernetes objects next to them. An example::
     {"version": 1, "node": "n1", "time": 1763800000.0,
      "agent": {"pid": 1, "uptimeSeconds": 12.3, "backend": "simulated", "enforcement": "on",
                "actuator": "freezer", "memoryMode": "kill", "periodSeconds": 0.25,
-               "watchdog": "running", "bpf": "ok", "freezeJournal": "ok"},
+               "watchdog": "running", "bpf": "ok", "freezeJournal": "ok", "dra": "off"},
      "gpus": [{"index": 0, "uuid": "GPU-...", "model": "NVIDIA H100 80GB HBM3", "health": "Healthy",
                "degraded": null,
                "utilizationPercent": 55, "memoryUsedMiB": 1024, "memoryTotalMiB": 81559,
@@ -35,7 +35,8 @@ Fields:
   ``watchdog`` (``running`` | ``off`` | ``dead``); ``bpf`` (``ok``, ``off`` or why it is
   unavailable, free text); ``freezeJournal`` (``ok``, or why the last write of the freeze
   journal failed, e.g. the disk is full: until one succeeds, no container that the journal
-  does not list yet is frozen).
+  does not list yet is frozen); ``dra`` (``off``, or the DRA driver's state: kubelet
+  registration, claims prepared, the ResourceSlice's generation and devices).
 - ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
   ``degraded`` (null, or why the agent cannot read the GPU now: a backend call stuck past
   its deadline, naming the NVML function, or reads failing for a while; meanwhile its
@@ -92,6 +93,7 @@ class AgentInfo(TypedDict):
     watchdog: str
     bpf: str
     freezeJournal: str
+    dra: str
 
 
 class ContainerStatus(TypedDict):
@@ -175,6 +177,7 @@ def agent_info(
     watchdog: str,
     bpf: str,
     freeze_journal: str = "ok",
+    dra: str = "off",
 ) -> AgentInfo:
     """``actuator``/``memory_mode`` take the settings' StrEnums as they are."""
     return AgentInfo(
@@ -188,6 +191,7 @@ def agent_info(
         watchdog=str(watchdog),
         bpf=str(bpf),
         freezeJournal=freeze_journal,
+        dra=dra,
     )
 
 

@@ -87,6 +87,7 @@ def test_a_claim_for_30_cores_and_4_gib_is_held_at_30_percent(rig: DraRig) -> No
         'vcuda_container_cap_ratio{container="c",gpu="1",namespace="default",node="sim-node",pod="dra-share"}'
     )
     assert f"{cap} 0.3" in metrics
+    assert rig.status()["agent"]["dra"].startswith("registered; prepared claims: 1; slice generation")
     gpus = {g["index"]: g for g in rig.status()["gpus"]}
     assert (gpus[0]["coresAllocated"], gpus[1]["coresAllocated"]) == (50, 30)
 

@@ -250,3 +250,12 @@ def test_a_degraded_gpu_and_an_unwritable_journal_are_shown_and_absent_otherwise
     text = render_status(doc)
     assert "DEGRADED (nvmlDeviceGetProcessUtilization did not return within 2 s)" in text
     assert "freeze journal: cannot write the freeze journal /run/x/frozen.json" in text
+
+
+def test_the_dra_driver_state_is_shown_only_under_dra() -> None:
+    doc = document()
+    assert "DRA driver" not in render_status(doc)
+    doc["agent"]["dra"] = "off"
+    assert "DRA driver" not in render_status(doc)
+    doc["agent"]["dra"] = "registered; prepared claims: 2; slice generation 3, devices: 1"
+    assert "DRA driver gpu.vcuda.io: registered; prepared claims: 2" in render_status(doc)

@@ -65,6 +65,9 @@ def _header(doc: Mapping[str, Any]) -> list[str]:
     journal = agent.get("freezeJournal")
     if isinstance(journal, str) and journal != "ok":
         lines.append(f"freeze journal: {journal} (containers it does not list yet are not frozen)")
+    dra = agent.get("dra")
+    if isinstance(dra, str) and dra != "off":
+        lines.append(f"DRA driver gpu.vcuda.io: {dra}")
     version = doc.get("version")
     if version != SCHEMA_VERSION:
         lines.append(
