@@ -131,6 +131,21 @@ def parse_run_args(args: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(["run", *args])
 
 
+def dra_directory_flags() -> dict[str, str]:
+    """Every directory option of `vcuda-agent run`'s DRA group (``--dra-registry-dir``,
+    ``--dra-plugin-dir``, ``--cdi-dir``, and any added later): flag -> argparse dest."""
+    from agent.surfaces.cli.main import build_parser  # noqa: PLC0415
+
+    parser = build_parser()
+    assert parser._subparsers is not None
+    [subparsers] = [a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)]
+    run: argparse.ArgumentParser = subparsers.choices["run"]
+    [group] = [g for g in run._action_groups if (g.title or "").startswith("DRA driver")]
+    flags = {max(a.option_strings, key=len): a.dest for a in group._group_actions if a.dest.endswith("_dir")}
+    assert flags, "the DRA group has no directory options"
+    return flags
+
+
 # ---- Dockerfile ----------------------------------------------------------------------------
 
 

@@ -1,18 +1,28 @@
 """deploy/: each kustomization builds with the real kubectl, every object is a valid Kubernetes
 object (strict schemas), and the DaemonSet is what the agent actually needs: args its CLI
 accepts, every path it uses mounted (writable where it writes), probes on its metrics port,
-a node config its loader accepts, and the RBAC exactly as written in deploy/base/rbac.yaml."""
+a node config its loader accepts, and the RBAC exactly as written in deploy/base/rbac.yaml.
+The DRA overlay runs the agent as the driver gpu.vcuda.io with every directory kubelet and the
+runtime share with it mounted at its own host path."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 
 from agent.domain.nodeconfig import load_config
-from agent.settings import DeviceListStrategy, Settings, SharingMode
+from agent.settings import (
+    DEFAULT_CDI_DIR,
+    DEFAULT_DRA_PLUGIN_DIR,
+    DEFAULT_PLUGINS_REGISTRY,
+    DeviceListStrategy,
+    Settings,
+    SharingMode,
+)
 from agent.surfaces.cli.run import settings_from_args
 from tests.integration.deploy_render import (
     AGENT,
@@ -20,6 +30,7 @@ from tests.integration.deploy_render import (
     Doc,
     check_service_monitor,
     container,
+    dra_directory_flags,
     load_yaml,
     mount_for,
     one,
@@ -72,7 +83,11 @@ def test_the_schema_check_catches_a_misspelt_field() -> None:
 
 @pytest.mark.parametrize(
     ("directory", "strategy"),
-    [("deploy", DeviceListStrategy.MOUNTS), ("deploy/overlays/cdi", DeviceListStrategy.CDI)],
+    [
+        ("deploy", DeviceListStrategy.MOUNTS),
+        ("deploy/overlays/cdi", DeviceListStrategy.CDI),
+        ("deploy/overlays/dra", DeviceListStrategy.MOUNTS),
+    ],
 )
 def test_the_agent_cli_accepts_the_daemonset_args(
     directory: str, strategy: DeviceListStrategy, monkeypatch: pytest.MonkeyPatch
@@ -137,8 +152,9 @@ def test_every_path_the_agent_uses_is_mounted(monkeypatch: pytest.MonkeyPatch) -
     assert mount_for(PurePosixPath(settings.bpf.bpf_dir), mounts) is None
 
 
-def test_volume_mounts_and_volumes_match_one_to_one() -> None:
-    daemonset = one(render("deploy"), *AGENT)
+@pytest.mark.parametrize("directory", ["deploy", "deploy/overlays/dra"])
+def test_volume_mounts_and_volumes_match_one_to_one(directory: str) -> None:
+    daemonset = one(render(directory), *AGENT)
     mounts = container(daemonset)["volumeMounts"]
     volumes = daemonset["spec"]["template"]["spec"]["volumes"]
     mounted = [m["name"] for m in mounts]
@@ -152,6 +168,120 @@ def test_volume_mounts_and_volumes_match_one_to_one() -> None:
     # Not mounted on purpose: /run (it would shadow the service-account token's mount point at
     # /var/run/secrets) and /proc (hostPID already shows the host's processes).
     assert not {"/run", "/var/run", "/proc"} & {m["mountPath"] for m in mounts}
+
+
+def test_the_dra_overlay_runs_the_agent_as_the_dra_driver_of_every_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = render("deploy/overlays/dra")
+    dra = agent_settings(docs, monkeypatch).dra
+    assert dra.enabled
+    assert dra.gpus is None, "--dra-gpus all: the overlay's documented choice (docs/dra.md, Install)"
+    assert (dra.registry_dir, dra.plugin_dir, dra.cdi_dir) == (
+        DEFAULT_PLUGINS_REGISTRY,
+        DEFAULT_DRA_PLUGIN_DIR,
+        DEFAULT_CDI_DIR,
+    )
+    assert not agent_settings(render("deploy"), monkeypatch).dra.enabled, "the base stays a device plugin"
+    # The overlay only appends: the base's args come first, unchanged.
+    base_args = container(one(render("deploy"), *AGENT))["args"]
+    assert container(one(docs, *AGENT))["args"][: len(base_args)] == base_args
+    # Its ClusterRole is bound to the ServiceAccount the DaemonSet runs as.
+    pod = one(docs, *AGENT)["spec"]["template"]["spec"]
+    binding = one(docs, "ClusterRoleBinding", "vcuda-agent-dra")
+    assert binding["roleRef"]["name"] == "vcuda-agent-dra"
+    subject = {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "kube-system"}
+    assert subject in binding["subjects"]
+
+
+def dra_mount_problems(daemonset: Doc) -> list[str]:
+    """Why a DRA directory of the agent (each --dra-*-dir and --cdi-dir, as its args set them)
+    is not the host directory of the same path: kubelet dials the registration and DRA sockets
+    at the paths the agent reports, and the runtime reads the CDI specs on the host. Empty when
+    every one is a writable hostPath mounted at its own path."""
+    mounts = container(daemonset)["volumeMounts"]
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    args = parse_run_args(container(daemonset)["args"])
+    problems = []
+    for flag, dest in dra_directory_flags().items():
+        path = PurePosixPath(getattr(args, dest))
+        mount = mount_for(path, mounts)
+        if mount is None:
+            problems.append(f"{flag} {path} is not in any volume")
+            continue
+        host = volumes.get(mount["name"], {}).get("hostPath")
+        if host is None:
+            problems.append(f"{flag} {path} is in volume {mount['name']}, not a hostPath")
+            continue
+        seen_at = PurePosixPath(host["path"]) / path.relative_to(mount["mountPath"])
+        if seen_at != path:
+            problems.append(f"{flag} {path} is the host's {seen_at}")
+        if mount.get("readOnly", False):
+            problems.append(f"{flag} {path} is mounted read-only")
+    return problems
+
+
+def test_every_dra_directory_is_mounted_at_its_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render("deploy/overlays/dra")
+    daemonset = one(docs, *AGENT)
+    assert set(dra_directory_flags()) >= {"--dra-registry-dir", "--dra-plugin-dir", "--cdi-dir"}
+    assert dra_mount_problems(daemonset) == []
+    # Created on first use: no driver has made its plugin directory on a fresh node, and a
+    # runtime that never saw a dynamic CDI spec has no /var/run/cdi.
+    dra = agent_settings(docs, monkeypatch).dra
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    for directory in (dra.registry_dir, dra.plugin_dir, dra.cdi_dir):
+        mount = mount_for(PurePosixPath(directory), container(daemonset)["volumeMounts"])
+        assert mount is not None and mount["mountPath"] == str(directory)
+        assert volumes[mount["name"]]["hostPath"] == {"path": str(directory), "type": "DirectoryOrCreate"}
+    # Prepared claims are checkpointed where a restarted agent finds them: the state hostPath.
+    state = mount_for(PurePosixPath(dra.checkpoint_dir), container(daemonset)["volumeMounts"])
+    assert state is not None and not state.get("readOnly", False)
+    assert volumes[state["name"]]["hostPath"]["path"] == "/run/vcuda-agent"
+
+
+def _named(items: list[Doc], name: str) -> Doc:
+    return next(i for i in items if i["name"] == name)
+
+
+def _unmount_cdi(pod: Doc) -> None:
+    pod["containers"][0]["volumeMounts"].remove(_named(pod["containers"][0]["volumeMounts"], "cdi"))
+
+
+@pytest.mark.parametrize(
+    ("break_it", "problem"),
+    [
+        (_unmount_cdi, "--cdi-dir /var/run/cdi is not in any volume"),
+        (
+            lambda pod: _named(pod["volumes"], "cdi")["hostPath"].update(path="/etc/cdi"),
+            "--cdi-dir /var/run/cdi is the host's /etc/cdi",
+        ),
+        (
+            lambda pod: _named(pod["containers"][0]["volumeMounts"], "plugins-registry").update(
+                mountPath="/plugins_registry"
+            ),
+            "--dra-registry-dir /var/lib/kubelet/plugins_registry is not in any volume",
+        ),
+        (
+            lambda pod: _named(pod["volumes"], "dra-plugin").update(hostPath=None, emptyDir={}),
+            "--dra-plugin-dir /var/lib/kubelet/plugins/gpu.vcuda.io is in volume dra-plugin, not a hostPath",
+        ),
+        (
+            lambda pod: _named(pod["containers"][0]["volumeMounts"], "dra-plugin").update(readOnly=True),
+            "--dra-plugin-dir /var/lib/kubelet/plugins/gpu.vcuda.io is mounted read-only",
+        ),
+        (
+            lambda pod: pod["containers"][0]["args"].extend(["--cdi-dir", "/etc/cdi"]),
+            "--cdi-dir /etc/cdi is not in any volume",
+        ),
+    ],
+)
+def test_the_dra_mount_check_catches_a_directory_mounted_elsewhere(
+    break_it: Callable[[Doc], object], problem: str
+) -> None:
+    daemonset = copy.deepcopy(one(render("deploy/overlays/dra"), *AGENT))
+    break_it(daemonset["spec"]["template"]["spec"])
+    assert problem in dra_mount_problems(daemonset)
 
 
 def test_host_namespaces_privileges_placement_and_lifecycle() -> None:
