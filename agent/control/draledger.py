@@ -59,11 +59,26 @@ def split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def users_by_claim(pods: Sequence[PodInfo]) -> dict[tuple[str, str], list[tuple[PodInfo, str, bool]]]:
+    """(namespace, ResourceClaim name) -> the (pod, container, init) that use it: one pass over
+    the pods, so a sync costs pods + claims, not their product."""
+    users: dict[tuple[str, str], list[tuple[PodInfo, str, bool]]] = {}
+    for pod in pods:
+        if not pod.resource_claims:
+            continue
+        for claim_name in set(pod.resource_claims.values()):
+            ref = ClaimRef(pod.namespace, claim_name, "")
+            for container, init in claim_users(pod, ref):
+                users.setdefault((pod.namespace, claim_name), []).append((pod, container, init))
+    return users
+
+
 def claim_entries(claims: Sequence[PreparedClaimLike], pods: Sequence[PodInfo]) -> list[Assignment]:
     """The ledger entries the prepared ``claims`` imply, given the pods on the node."""
     entries: list[Assignment] = []
+    by_claim = users_by_claim(pods)
     for claim in claims:
-        users = [(pod, container, init) for pod in pods for container, init in claim_users(pod, claim.ref)]
+        users = by_claim.get((claim.ref.namespace, claim.ref.name), [])
         if not users:
             continue
         for share in claim.shares:

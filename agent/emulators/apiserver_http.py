@@ -69,6 +69,9 @@ class ApiHandler(BaseHTTPRequestHandler):
     """One connection to the fake API server (``server.api`` is the ApiBackend)."""
 
     protocol_version = "HTTP/1.1"
+    # Headers and body are two writes: with Nagle the body waits for the client's delayed ACK
+    # (40 ms on Linux) on every keep-alive request; kube-apiserver sets TCP_NODELAY too.
+    disable_nagle_algorithm = True
     api: ApiBackend
     _record: RequestRecord
 
