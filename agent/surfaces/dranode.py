@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from agent.control.draledger import ClaimLedger
+from agent.control.draledger import SOURCE, ClaimLedger
 from agent.control.drapublisher import SlicePublisher
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
-from agent.domain.dra import DRIVER, PreparedClaim
+from agent.domain.dra import DRIVER, ClaimShare, PreparedClaim
 from agent.domain.health import HealthBoard
+from agent.domain.ledger import Assignment
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.kube.resourceclaims import ResourceClaimClient
 from agent.platform.kube.resourceslices import ResourceSliceClient
@@ -70,9 +71,20 @@ class DraIntegration:
             board=board,
             mps=sharing,
             default_policy=lambda: kube.specbook.default_policy().value,
+            ceiling=self._ceiling,
         )
+        self._kube = kube
         self.claims = ClaimLedger(kube.ledger, kube.pods, self.plugin.prepared)
         self.plugin.prepared.subscribe(self._on_prepared)
+
+    def _ceiling(self, share: ClaimShare) -> int:
+        """A claim's MPS thread percentage, from its ShareConfig bounded by the node config
+        exactly as its enforcement spec will be."""
+        item = Assignment(
+            "", "", "", "", False, (share.gpu_index,), share.cores, share.memory_mib,
+            policy=share.policy, limit=share.limit, source=SOURCE,
+        )  # fmt: skip
+        return self._kube.specbook.spec_for(item).ceiling or 100
 
     def _on_prepared(self, prepared: Sequence[PreparedClaim]) -> None:
         self.claims.poke()
