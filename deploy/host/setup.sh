@@ -75,4 +75,14 @@ if [ -n "$(missing_packages prometheus)" ]; then
   apt_install prometheus
   systemctl disable --now prometheus >/dev/null 2>&1 || true
 fi
+# 5. Container runtimes for the real-runtime test tier (tests/runtime: a private containerd in
+# a temp dir, runc/crun, an image built from busybox-static). A freshly installed package
+# would start the system containerd: stop it; one that was already installed is left alone.
+runtimes=$(missing_packages containerd runc crun busybox-static | tr "\n" " ")
+if [ -n "$runtimes" ]; then
+  # shellcheck disable=SC2086
+  apt_install $runtimes
+  case " $runtimes " in *" containerd "*) systemctl disable --now containerd >/dev/null 2>&1 || true ;; esac
+  say "installed for tests/runtime: $runtimes"
+fi
 say "host ready"
