@@ -27,12 +27,13 @@ from agent.domain.dutycontrol import CLOCK_TOL_S, Gains, Measurement
 from agent.domain.usage import Estimate, GpuUsageEstimator
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
+from agent.platform.gpu.guarded import DEADLINE_S
 from agent.platform.gpu.inventory import ProcessSample
 
 log = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
-STALE_AFTER_S = 2.0  # as long as a backend call may take before its GPU is degraded
+STALE_AFTER_S = DEADLINE_S  # as long as a backend call may take before its GPU is degraded
 
 
 class SampleSource(Protocol):
