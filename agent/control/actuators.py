@@ -8,6 +8,11 @@
   never signalled.
 - ``AutoActuator``: the freezer where it is writable, else signals, decided per target.
 
+A container its runtime has paused (``ctr task pause``, ``crictl``/Docker pause: the same
+freezer file) is left alone by the freezer actuator: not frozen, not journaled, never thawed by
+the agent, until the runtime resumes it. One pause that lands inside one of the agent's own
+freeze slices cannot be told apart from it and is undone by that slice's thaw.
+
 Every actuator records what it is about to pause in the freeze journal *before*
 pausing it, so the watchdog (or the next start) can undo it if the agent dies. All
 methods are thread-safe and raise FreezerError (a PlatformError) on real failures; a
@@ -25,7 +30,13 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.errors import PlatformError, ProcessGoneError
-from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, OpenFreezers, freezer_file
+from agent.platform.cgroups.freezer import (
+    CgroupGoneError,
+    FreezerError,
+    OpenFreezers,
+    freezer_file,
+    is_frozen,
+)
 from agent.platform.freezejournal import FreezeJournal
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.procsignal import SignalOutcome, signal_identity
@@ -68,11 +79,15 @@ class FreezerActuator:
         self._journal = journal
         self._lock = threading.Lock()
         self._journaled: set[Path] = set()  # dirs this actuator put in the journal
+        self._frozen: set[Path] = set()  # dirs this actuator froze and has not thawed yet
+        self._left_paused: set[Path] = set()  # dirs found paused by their runtime: not touched
         self._files = OpenFreezers()
 
     def freeze(self, target: ThrottleTarget) -> None:
         cgroup_dir = _cgroup_dir(target)
         with self._lock:
+            if cgroup_dir not in self._frozen and self._paused_by_runtime(cgroup_dir, target.key):
+                return
             if cgroup_dir not in self._journaled:
                 self._journal.add_cgroup(cgroup_dir)  # before the first freeze, always
                 self._journaled.add(cgroup_dir)
@@ -81,22 +96,44 @@ class FreezerActuator:
             except CgroupGoneError:
                 self._forget(cgroup_dir)
                 raise
+            self._frozen.add(cgroup_dir)
 
     def thaw(self, target: ThrottleTarget) -> None:
         cgroup_dir = _cgroup_dir(target)
         with self._lock:
-            self._thaw(cgroup_dir, target.key)
+            if cgroup_dir not in self._left_paused:
+                self._thaw(cgroup_dir, target.key)
 
     def release(self, target: ThrottleTarget) -> None:
         cgroup_dir = _cgroup_dir(target)
         with self._lock:
-            self._thaw(cgroup_dir, target.key)
+            if cgroup_dir not in self._left_paused:
+                self._thaw(cgroup_dir, target.key)
             self._forget(cgroup_dir)
+            self._left_paused.discard(cgroup_dir)
+
+    def _paused_by_runtime(self, cgroup_dir: Path, key: str) -> bool:
+        """Frozen while this actuator holds it thawed: its runtime paused it. Left paused (and out
+        of the journal, so no watchdog thaws it) until it is found thawed again."""
+        try:
+            frozen = is_frozen(cgroup_dir)
+        except CgroupGoneError:
+            return False  # the freeze below says so
+        if not frozen:
+            if cgroup_dir in self._left_paused:
+                self._left_paused.discard(cgroup_dir)
+                log.info("%s: resumed by its container runtime; throttling again", key)
+            return False
+        if cgroup_dir not in self._left_paused:
+            self._forget(cgroup_dir)
+            self._left_paused.add(cgroup_dir)
+            log.info("%s: paused by its container runtime; left paused, the agent does not thaw it", key)
+        return True
 
     def release_all(self) -> None:
         with self._lock:
             # The journal's own list too: entries a caller added without going through us.
-            dirs = self._journaled | set(self._journal.entries().cgroups)
+            dirs = (self._journaled | set(self._journal.entries().cgroups)) - self._left_paused
             failures = []
             for cgroup_dir in sorted(dirs):
                 try:
@@ -108,6 +145,7 @@ class FreezerActuator:
                 raise FreezerError(f"could not release {len(failures)} cgroup(s): {'; '.join(failures)}")
 
     def _thaw(self, cgroup_dir: Path, key: str) -> None:
+        self._frozen.discard(cgroup_dir)
         try:
             self._files.set(cgroup_dir, False)
         except CgroupGoneError:
@@ -115,6 +153,7 @@ class FreezerActuator:
             self._forget(cgroup_dir)
 
     def _forget(self, cgroup_dir: Path) -> None:
+        self._frozen.discard(cgroup_dir)
         self._journal.remove_cgroup(cgroup_dir)
         self._journaled.discard(cgroup_dir)
         self._files.close(cgroup_dir)

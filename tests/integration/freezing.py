@@ -21,6 +21,30 @@ from tests.integration.cgroup_trees import CgroupTree, cgroup_tree
 
 PROCFS = ProcFS()
 
+# An agent as a real child process: a journal, the watchdog, one cgroup frozen through the
+# FreezerActuator; prints the watchdog's pid (and a forked child's) and waits to be killed.
+AGENT_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from agent.control.actuators import FreezerActuator, ThrottleTarget
+from agent.platform.freezejournal import FreezeJournal
+from agent.platform import watchdog as watchdog_module
+from agent.platform.watchdog import spawn_watchdog
+
+journal_path, cgroup = Path(sys.argv[1]), Path(sys.argv[2])
+journal = FreezeJournal(journal_path)
+watchdog = spawn_watchdog(journal_path)
+FreezerActuator(journal).freeze(ThrottleTarget("ns/pod/ctr", cgroup, None))
+forked = 0
+if sys.argv[3:] == ["fork"]:  # a child forked without exec outlives the agent
+    forked = os.fork()
+    if forked == 0:
+        time.sleep(60)
+        os._exit(0)
+print(watchdog.pid, forked, flush=True)
+time.sleep(600)
+"""
+
 
 @contextmanager
 def thawing_tree() -> Iterator[CgroupTree]:

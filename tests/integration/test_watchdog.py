@@ -28,33 +28,20 @@ from agent.platform.freezejournal import FreezeJournal, thaw_everything
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.watchdog import spawn_watchdog
 from tests.integration.cgroup_trees import CgroupTree
-from tests.integration.freezing import advances, busy_child, stalled, state, thawing_tree, ticks, wait_for
+from tests.integration.freezing import (
+    AGENT_SCRIPT,
+    advances,
+    busy_child,
+    stalled,
+    state,
+    thawing_tree,
+    ticks,
+    wait_for,
+)
 
 pytestmark = pytest.mark.privileged
 
 REPO = Path(__file__).resolve().parents[2]
-
-AGENT_SCRIPT = """
-import os, sys, time
-from pathlib import Path
-from agent.control.actuators import FreezerActuator, ThrottleTarget
-from agent.platform.freezejournal import FreezeJournal
-from agent.platform import watchdog as watchdog_module
-from agent.platform.watchdog import spawn_watchdog
-
-journal_path, cgroup = Path(sys.argv[1]), Path(sys.argv[2])
-journal = FreezeJournal(journal_path)
-watchdog = spawn_watchdog(journal_path)
-FreezerActuator(journal).freeze(ThrottleTarget("ns/pod/ctr", cgroup, None))
-forked = 0
-if sys.argv[3:] == ["fork"]:  # a child forked without exec outlives the agent
-    forked = os.fork()
-    if forked == 0:
-        time.sleep(60)
-        os._exit(0)
-print(watchdog.pid, forked, flush=True)
-time.sleep(600)
-"""
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The real-runtime tier: a private containerd per session (never the system's), runc as
-its runtime. Skips, with the reason, where the binaries or cgroups are missing; on CI
+"""The real-runtime tier: a private containerd per runtime and cgroup mode (never the
+system's). Skips, with the reason, where the binaries or root are missing; on CI
 (``VCUDA_REQUIRE_PRIVILEGED=1``) such a skip fails the run like every privileged test's."""
 
 from __future__ import annotations
@@ -12,38 +12,53 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.containerd import PrivateContainerd, RuntimeUnavailable
+from tests.runtime.hostcaps import crun_v2_blocker
 
 KUBEPODS = "kubepods"
+CELLS = [("runc", "v1"), ("runc", "v2"), ("crun", "v1"), ("crun", "v2")]
 
 
 def _kubepods_dirs() -> list[Path]:
-    """Where runc puts kubelet's ``/kubepods`` parent: every mounted hierarchy (v1 controllers,
-    named ones like name=systemd, the v2 one) or the v2 root itself."""
+    """Where the runtimes put kubelet's ``/kubepods`` parent: every mounted hierarchy (v1
+    controllers, named ones like name=systemd, the v2 one) or the v2 root itself."""
     root = Path("/sys/fs/cgroup")
     return [root / KUBEPODS, *(d / KUBEPODS for d in sorted(root.iterdir()) if d.is_dir())]
 
 
 def _remove_tree(top: Path) -> None:
-    """Empty cgroup directories under ``top``, deepest first (runc leaves the parents it made)."""
+    """Empty cgroup directories under ``top``, deepest first (runtimes leave the parents they made)."""
     for path in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
         path.rmdir()
     top.rmdir()
 
 
 @pytest.fixture(scope="session")
-def containerd() -> Iterator[PrivateContainerd]:
+def _kubepods_cleanup() -> Iterator[None]:
+    existing = {p for p in _kubepods_dirs() if p.exists()}
+    yield
+    for top in _kubepods_dirs():
+        if top.exists() and top not in existing:  # only what this session's containers made
+            _remove_tree(top)
+
+
+@pytest.fixture(scope="session", params=CELLS, ids=[f"{r}-{c}" for r, c in CELLS])
+def containerd(request: pytest.FixtureRequest, _kubepods_cleanup: None) -> Iterator[PrivateContainerd]:
+    """A started private containerd for one (runtime, cgroup mode) cell of the matrix."""
+    runtime_name, cgroup = request.param
     if os.geteuid() != 0:
-        pytest.skip("the real-runtime tier needs root (containerd, runc, cgroups)")
+        pytest.skip("the real-runtime tier needs root (containerd, runc, crun, cgroups)")
     try:
-        runtime = PrivateContainerd(Path(tempfile.mkdtemp(prefix="vc-ctrd-", dir="/tmp")))
+        runtime = PrivateContainerd(
+            Path(tempfile.mkdtemp(prefix="vc-ctrd-", dir="/tmp")), runtime=runtime_name, cgroup=cgroup
+        )
     except RuntimeUnavailable as err:
         pytest.skip(str(err))
-    existing = {p for p in _kubepods_dirs() if p.exists()}
     runtime.start()
     try:
+        if (runtime_name, cgroup) == ("crun", "v2"):
+            blocker = crun_v2_blocker(runtime)
+            if blocker is not None:
+                pytest.xfail(blocker)
         yield runtime
     finally:
         runtime.stop()
-        for top in _kubepods_dirs():
-            if top.exists() and top not in existing:  # only what this session's containers made
-                _remove_tree(top)

@@ -2,7 +2,19 @@
 state and socket in a temp dir (never the system's), an image built here as an OCI archive
 (busybox-static as its only binary: no registry is reached) and imported, and containers
 run the way kubelet's cgroupfs driver places them (``/kubepods/<qos>/pod<uid>/<id>``),
-through ``ctr`` with runc or a runc-compatible binary.
+through ``ctr`` with runc or crun.
+
+Each containerd runs in a private mount namespace whose /sys/fs/cgroup is the layout of one
+kind of node, so the runtimes (which read the layout from their own mounts) run in that mode:
+
+- ``v1``: a tmpfs with this host's v1 hierarchies mounted again (the same hierarchies, not
+  copies), no cgroup2: a legacy node, the mode crun needs (it refuses hybrid layouts);
+- ``v2``: cgroup2 at /sys/fs/cgroup: a unified node. The hierarchy is this host's v2 one
+  (there is only one), seen from the host at /sys/fs/cgroup/unified.
+
+The agent's code in the test process sees the same cgroups through
+``/proc/<containerd pid>/root``: :meth:`PrivateContainerd.layout` is the agent's own layout
+detection run on the namespace's mountinfo.
 
 What ``ctr`` cannot do that kubelet's CRI calls would: a pod sandbox (pause container) and
 its network namespace; the containers here are the pod's app containers only.
@@ -18,11 +30,21 @@ import shutil
 import subprocess
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from agent.platform.cgroups.layout import CgroupLayout, detect_layout
 
 IMAGE = "vcuda.test/busybox:1"
 NAMESPACE = "k8s.io"  # kubelet's containerd namespace
+CGROUP_MODES = ("v1", "v2")
+# A socket where the agent's runtime detection looks for containerd, under --host-root.
+SOCKET_IN_HOST_ROOT = "run/containerd/containerd.sock"
+# The v1 hierarchies a legacy node has, by mount options (what kubelet and the runtimes use).
+_V1_MOUNTS = {
+    "cpu": "cpu", "cpuacct": "cpuacct", "cpuset": "cpuset", "memory": "memory", "devices": "devices",
+    "freezer": "freezer", "blkio": "blkio", "pids": "pids", "systemd": "none,name=systemd",
+}  # fmt: skip
 APPLETS = ("sh", "sleep", "mknod", "cat", "true")
 
 
@@ -124,11 +146,28 @@ class Container:
         return f"/kubepods{qos}/pod{self.pod_uid}/{self.id}"
 
 
+def _namespace_script(cgroup: str) -> str:
+    """Shell run in the private mount namespace before containerd: the node's cgroup layout."""
+    if cgroup == "v2":
+        return "mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+    mounts = [
+        f"mkdir -p /sys/fs/cgroup/{name} && mount -t cgroup -o {options} cgroup /sys/fs/cgroup/{name}"
+        for name, options in _V1_MOUNTS.items()
+        if Path("/sys/fs/cgroup", name).is_dir()  # only hierarchies this host has
+    ]
+    return " && ".join(["mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup", *mounts])
+
+
 class PrivateContainerd:
-    def __init__(self, workdir: Path) -> None:
-        require("containerd", "ctr")
+    def __init__(self, workdir: Path, runtime: str = "runc", cgroup: str = "v1") -> None:
+        require("containerd", "ctr", "unshare", "nsenter", runtime)
+        if cgroup not in CGROUP_MODES:
+            raise ValueError(f"cgroup mode {cgroup!r}: one of {', '.join(CGROUP_MODES)}")
         self.workdir = workdir
-        self.socket = workdir / "containerd.sock"
+        self.runtime = runtime
+        self.cgroup = cgroup
+        self.host_root = workdir / "host"  # what the agent is given as --host-root
+        self.socket = self.host_root / SOCKET_IN_HOST_ROOT
         self._proc: subprocess.Popen[bytes] | None = None
         self.containers: list[Container] = []
 
@@ -140,18 +179,49 @@ class PrivateContainerd:
             f'[grpc]\n  address = "{self.socket}"\n[ttrpc]\n  address = ""\n'
             '[debug]\n  address = ""\n[metrics]\n  address = ""\n'
         )
+        self.socket.parent.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "containerd.log").open("wb")
+        # unshare execs sh, which execs containerd: the pid is containerd's, and its shims and
+        # the runtimes they start inherit the namespace.
+        script = f"{_namespace_script(self.cgroup)} && exec containerd --config {config}"
         self._proc = subprocess.Popen(
-            ["containerd", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while self.ctr("version", check=False).returncode != 0:
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"containerd did not start: {(self.workdir / 'containerd.log').read_text()[-800:]}"
-                )
+                raise RuntimeError(f"containerd did not start: {self.log()[-800:]}")
             time.sleep(0.1)
         self.ctr("images", "import", str(build_image(self.workdir / "image.tar")))
+
+    def log(self) -> str:
+        return (self.workdir / "containerd.log").read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "containerd is not started"
+        return self._proc.pid
+
+    @property
+    def namespace_root(self) -> Path:
+        """The namespace's / as the host sees it: its /sys/fs/cgroup is the node's layout."""
+        return Path(f"/proc/{self.pid}/root")
+
+    def layout(self) -> CgroupLayout:
+        """The agent's layout detection on the namespace's mounts, its paths reached from here."""
+        found = detect_layout(mountinfo=Path(f"/proc/{self.pid}/mountinfo"))
+        rebase = self.namespace_root.joinpath
+        return replace(
+            found,
+            v2_root=rebase(str(found.v2_root).lstrip("/")) if found.v2_root else None,
+            v1_roots={name: rebase(str(path).lstrip("/")) for name, path in found.v1_roots.items()},
+        )
+
+    def in_namespace(self, *command: str) -> list[str]:
+        """``command`` run in containerd's mount namespace (the runtimes' view of cgroups)."""
+        return ["nsenter", f"--mount=/proc/{self.pid}/ns/mnt", "--", *command]
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = ["ctr", "--address", str(self.socket), "--namespace", NAMESPACE, *args]
@@ -163,19 +233,26 @@ class PrivateContainerd:
     def run(
         self,
         *,
-        runtime_binary: str,
         qos: str = "besteffort",
+        devices: tuple[Path, ...] = (),
         command: tuple[str, ...] = ("/bin/sleep", "600"),
     ) -> Container:
-        """A running container, placed where kubelet would place it; returns once its task runs."""
+        """A running container, placed where kubelet would place it; returns once its task runs.
+
+        ``--cpu-shares 0``: ctr asks for 1024 shares by default, which a v2 hierarchy without
+        the cpu controller (this hybrid host's) cannot take; device rules and the freezer are
+        what these tests are about, and neither needs a controller on v2.
+
+        ``devices``: host device nodes given to the container (node and cgroup rule), the way
+        the NVIDIA container runtime hands a container its GPUs."""
         pod_uid = f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
         container = Container(secrets.token_hex(32), 0, pod_uid, qos)
         self.ctr(
-            "run", "-d", "--runc-binary", runtime_binary, "--runc-root", str(self.runc_root),
-            "--cgroup", container.cgroup_path, IMAGE, container.id, *command,
+            "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
+            "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
+            *(f"--device={d}" for d in devices), IMAGE, container.id, *command,
         )  # fmt: skip
-        pid = self.task_pid(container.id)
-        running = Container(container.id, pid, pod_uid, qos)
+        running = Container(container.id, self.task_pid(container.id), pod_uid, qos)
         self.containers.append(running)
         return running
 
@@ -186,22 +263,34 @@ class PrivateContainerd:
                 return int(fields[1])
         raise RuntimeError(f"container {container_id} has no task")
 
+    def task_status(self, container_id: str) -> str:
+        for line in self.ctr("task", "ls").stdout.splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0] == container_id:
+                return fields[2]
+        return "GONE"
+
     @property
     def runc_root(self) -> Path:
         """The runtime's own state (not the shim default under /run/containerd: private)."""
         return self.workdir / "runc"
 
-    def update(self, container: Container, runtime_binary: str, *args: str) -> None:
-        """``runc update`` (what ``crictl update`` / kubelet's in-place resize end in): the
+    def update(self, container: Container, *args: str) -> None:
+        """``<runtime> update`` (what ``crictl update`` / kubelet's in-place resize end in): the
         runtime re-applies the container's resources, its device rules among them."""
-        cmd = [runtime_binary, "--root", str(self.runc_root / NAMESPACE), "update", *args, container.id]
+        cmd = self.in_namespace(
+            self.runtime, "--root", str(self.runc_root / NAMESPACE), "update", *args, container.id
+        )
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
-    def exec(self, container: Container, *command: str) -> subprocess.CompletedProcess[str]:
+    def exec(
+        self, container: Container, *command: str, detach: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        flags = ("--detach",) if detach else ()
         return self.ctr(
-            "task", "exec", "--exec-id", secrets.token_hex(4), container.id, *command, check=False
+            "task", "exec", *flags, "--exec-id", secrets.token_hex(4), container.id, *command, check=False
         )
 
     def stop(self) -> None:

@@ -87,6 +87,30 @@ def test_only_mounts_under_the_injected_root_count(tmp_path: Path) -> None:
     assert layout.v2_root == Path("/host/sys/fs/cgroup/unified")
 
 
+@pytest.mark.parametrize(
+    ("over", "mode"),
+    [
+        # A privileged container's own cgroup mount, then the host's bind-mounted over it.
+        ("90 31 0:38 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw", CgroupMode.V2),
+        # A fresh tmpfs over the hybrid root, then v1 hierarchies mounted again: a legacy node.
+        (
+            "90 31 0:50 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+            "91 90 0:33 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices",
+            CgroupMode.V1,
+        ),
+    ],
+)
+def test_mounts_hidden_under_a_later_mount_do_not_count(tmp_path: Path, over: str, mode: CgroupMode) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(HYBRID_MOUNTINFO + over + "\n")
+    layout = detect_layout(Path("/sys/fs/cgroup"), mountinfo)
+    assert layout.mode is mode
+    if mode is CgroupMode.V2:
+        assert (layout.v2_root, layout.v1_roots) == (Path("/sys/fs/cgroup"), {})
+    else:
+        assert (layout.v2_root, layout.v1_roots) == (None, {"devices": Path("/sys/fs/cgroup/devices")})
+
+
 def test_escaped_mount_points() -> None:
     mounts = parse_mountinfo("41 31 0:38 / /mnt/my\\040cgroups rw - cgroup2 cgroup2 rw\n")
     assert mounts[0].mount_point == Path("/mnt/my cgroups")

@@ -95,8 +95,10 @@ def _unescape(field_text: str) -> str:
 
 
 def parse_mountinfo(text: str) -> list[CgroupMount]:
-    """The cgroup and cgroup2 mounts of a mountinfo text (proc(5)); other lines are skipped."""
-    mounts: list[CgroupMount] = []
+    """The visible cgroup and cgroup2 mounts of a mountinfo text (proc(5)); other lines are
+    skipped, and so are mounts hidden under a later one at or above their mount point (a
+    container runtime's own /sys/fs/cgroup under the host's bind-mounted over it)."""
+    lines: list[tuple[Path, CgroupMount | None]] = []
     for line in text.splitlines():
         fields = line.split()
         if "-" not in fields:
@@ -104,16 +106,22 @@ def parse_mountinfo(text: str) -> list[CgroupMount]:
         sep = fields.index("-")
         if sep < 5 or len(fields) < sep + 4:
             continue
-        fs_type, super_options = fields[sep + 1], fields[sep + 3]
+        mount_point, fs_type, super_options = Path(_unescape(fields[4])), fields[sep + 1], fields[sep + 3]
         if fs_type not in ("cgroup", "cgroup2"):
+            lines.append((mount_point, None))
             continue
         controllers: tuple[str, ...] = ()
         if fs_type == "cgroup":
             controllers = tuple(
                 opt for opt in super_options.split(",") if opt in _V1_MARKERS or opt.startswith("name=")
             )
-        mounts.append(CgroupMount(Path(_unescape(fields[4])), fs_type, _unescape(fields[3]), controllers))
-    return mounts
+        lines.append((mount_point, CgroupMount(mount_point, fs_type, _unescape(fields[3]), controllers)))
+    # mountinfo lists mounts in the order they were made: a later mount hides earlier ones.
+    return [
+        mount
+        for index, (_, mount) in enumerate(lines)
+        if mount is not None and not any(_is_under(mount.mount_point, over) for over, _ in lines[index + 1 :])
+    ]
 
 
 def _is_under(path: Path, root: Path) -> bool:
