@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard agent/platform/kubelet/pb/*.proto)
 
-.PHONY: all setup host demo test lint format bench proto clean
+.PHONY: all setup host demo test lint format bench image proto clean
 
 all: test
 
@@ -46,6 +46,10 @@ bench: setup
 	$(VPY) bench/restarts.py
 	$(VPY) bench/enforcement.py
 	$(VPY) bench/controller_cost.py
+
+# The image, built with podman on a cached debootstrap base (deploy/image/build.sh; root).
+image: host
+	@bash deploy/image/build.sh
 
 # Regenerate the gRPC stubs (committed) from the .proto files.
 proto: setup

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Host set-up for running vcuda-agent from source on Debian/Ubuntu, as root:
-# Debian packages (python3-venv, python3-bpfcc), kernel headers for bcc, tracefs.
+# Debian packages (python3-venv, python3-bpfcc), kernel headers for bcc, tracefs, and the
+# container tools the tests use (containerd, runc, crun; podman and debootstrap for the image).
 # Idempotent and quick when everything is already there.
 set -euo pipefail
 
@@ -85,4 +86,9 @@ if [ -n "$runtimes" ]; then
   case " $runtimes " in *" containerd "*) systemctl disable --now containerd >/dev/null 2>&1 || true ;; esac
   say "installed for tests/runtime: $runtimes"
 fi
+# 6. The image build and run (`make image`, tests/integration/test_image_run.py): podman
+# builds the Dockerfile on a base made with debootstrap and runs it with runc (section 5).
+# No service is started: podman has no daemon, and nothing is configured system-wide.
+# shellcheck disable=SC2046
+apt_install $(missing_packages podman debootstrap)
 say "host ready"

@@ -19,16 +19,9 @@ import pytest
 
 from agent.emulators.kubelet import KubeletEmulator
 from tests.conftest import AgentProcess
+from tests.integration.image_run import http_get
 
 Start = Callable[..., AgentProcess]
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

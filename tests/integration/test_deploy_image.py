@@ -1,7 +1,7 @@
-"""The Dockerfile, checked statically (no image is built here: there is no container engine):
-two stages, no build tools in the final one, the BPF sources where the DaemonSet says they
-are, OCI labels, `vcuda-agent run` as the entrypoint, and exact Python pins that satisfy
-pyproject.toml."""
+"""The Dockerfile, checked statically: two stages, no build tools in the final one, the BPF
+sources where the DaemonSet says they are, OCI labels, `vcuda-agent run` as the entrypoint,
+and exact Python pins that satisfy pyproject.toml. The image itself is built and run as the
+DaemonSet runs it in test_image_run.py."""
 
 from __future__ import annotations
 
