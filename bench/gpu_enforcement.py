@@ -61,6 +61,7 @@ while True:
         os.replace(progress + ".tmp", progress)
 """
 CALIBRATE_S = 8.0
+PROGRESS_TOO = False  # set from --progress-too
 # Neither BPF program is needed to hold caps; a lent GPU machine may have no bcc.
 GPU_NODE_ARGS = ("--device-guard", "off", "--no-ioctl-tracing")
 
@@ -178,15 +179,41 @@ def full_rate(workdir: Path) -> float:
 def run_scenario(boxes: list[Box], _spec: PatternSpec, args: argparse.Namespace, workdir: Path) -> Run:
     agent_args = ("--log-level", "WARNING", "--sharing-mode", args.actuator, *GPU_NODE_ARGS)
     rate = full_rate(workdir.parent) if args.actuator != "freezer" else 0.0
+    if args.actuator == "freezer" and PROGRESS_TOO:
+        rate = full_rate(workdir.parent)
     with enforced_node(workdir, None, agent_args=agent_args) as node:
         pids = [start_workload(node, f"pod-{b.name}", b) for b in boxes]
+        files = [node.workdir / f"pod-{b.name}.progress" for b in boxes]
         if args.actuator == "freezer":
+            by_progress: list[Run] = []
+            if PROGRESS_TOO:  # the same windows by the second yardstick, side by side
+                thread = threading.Thread(
+                    target=lambda: by_progress.append(Run(*progress_rates(files, args.seconds, rate)))
+                )
+                thread.start()
             windows, starts = sample(pids, args.seconds)
+            if PROGRESS_TOO:
+                thread.join()
+                _print_both(boxes, Run(windows, starts), by_progress[0], args.settle)
         else:  # NVML credits MPS clients' work to the MPS server: read their progress
-            files = [node.workdir / f"pod-{b.name}.progress" for b in boxes]
             windows, starts = progress_rates(files, args.seconds, rate)
     return Run(windows, starts)
 
 
+def _print_both(boxes: list[Box], nvml: Run, progress: Run, settle: float) -> None:
+    """Each container's mean after ``settle`` by NVML's samples and by its own throughput."""
+    skip = int(settle / WINDOW_S)
+    for i, box in enumerate(boxes):
+        by_nvml, by_rate = nvml.windows[i][skip:], progress.windows[i][skip:]
+        print(
+            f"# {box.name}: {box.policy} {box.cores}: NVML {sum(by_nvml) / max(len(by_nvml), 1):.1f} %, "
+            f"throughput {sum(by_rate) / max(len(by_rate), 1):.1f} % of the loop alone",
+            flush=True,
+        )
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(["--pattern", "train", *sys.argv[1:]], real=run_scenario))
+    # --progress-too (freezer): also read each container's throughput, printed beside NVML's view.
+    argv = [a for a in sys.argv[1:] if a != "--progress-too"]
+    PROGRESS_TOO = len(argv) != len(sys.argv) - 1
+    raise SystemExit(main(["--pattern", "train", *argv], real=run_scenario))

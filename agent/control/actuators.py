@@ -115,6 +115,8 @@ class FreezerActuator:
     def _paused_by_runtime(self, cgroup_dir: Path, key: str) -> bool:
         """Frozen while this actuator holds it thawed: its runtime paused it. Left paused (and out
         of the journal, so no watchdog thaws it) until it is found thawed again."""
+        if cgroup_dir not in self._journaled and self._journal.has_cgroup(cgroup_dir):
+            return False  # a predecessor froze it and its thaw failed: the agent's to undo
         try:
             frozen = is_frozen(cgroup_dir)
         except CgroupGoneError:

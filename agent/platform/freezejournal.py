@@ -145,6 +145,10 @@ class FreezeJournal:
 
     # -- reading -------------------------------------------------------------------
 
+    def has_cgroup(self, cgroup_dir: Path) -> bool:
+        with self._lock:
+            return _absolute(cgroup_dir) in self._cgroups
+
     def entries(self) -> JournalEntries:
         with self._lock:
             return JournalEntries(

@@ -153,6 +153,40 @@ def test_release_all_thaws_every_cgroup(tree: CgroupTree, journal: FreezeJournal
     assert journal.entries().empty
 
 
+@pytest.mark.parametrize("version", sorted(HIERARCHIES))
+def test_a_cgroup_paused_by_someone_else_is_left_alone(
+    tree: CgroupTree, journal: FreezeJournal, version: str
+) -> None:
+    cgroup = tree.mkdir(HIERARCHIES[version], "pod/ctr")
+    target = ThrottleTarget("ns/pod/ctr", cgroup, None)
+    actuator = FreezerActuator(journal)
+    actuator.freeze(target)
+    actuator.thaw(target)
+    set_frozen(cgroup, True)  # the runtime pauses it (ctr task pause writes the same file)
+    actuator.freeze(target)
+    actuator.thaw(target)
+    actuator.release_all()
+    assert is_frozen(cgroup) and journal.entries().empty  # not thawed, and no watchdog will
+    set_frozen(cgroup, False)  # resumed by the runtime: throttled again
+    actuator.freeze(target)
+    assert is_frozen(cgroup) and journal.entries().cgroups == (cgroup,)
+    actuator.release(target)
+    assert not is_frozen(cgroup)
+
+
+def test_a_predecessors_leftover_freeze_is_the_agents_to_undo(tree: CgroupTree, tmp_path: Path) -> None:
+    """Frozen by an agent whose start-up thaw then failed: still in the journal, so not taken
+    for a runtime's pause; the next slice's thaw undoes it."""
+    cgroup = tree.mkdir(UNIFIED, "pod/ctr")
+    FreezeJournal(tmp_path / "frozen.json").add_cgroup(cgroup)
+    set_frozen(cgroup, True)
+    target = ThrottleTarget("ns/pod/ctr", cgroup, None)
+    actuator = FreezerActuator(FreezeJournal(tmp_path / "frozen.json"))
+    actuator.freeze(target)
+    actuator.thaw(target)
+    assert not is_frozen(cgroup)
+
+
 def test_signal_actuator_stops_and_continues(tree: CgroupTree, journal: FreezeJournal) -> None:
     cgroup = tree.mkdir(UNIFIED, "pod/ctr")
     child = busy_child(tree, cgroup)
