@@ -30,13 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.errors import PlatformError, ProcessGoneError
-from agent.platform.cgroups.freezer import (
-    CgroupGoneError,
-    FreezerError,
-    OpenFreezers,
-    freezer_file,
-    is_frozen,
-)
+from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, OpenFreezers, freezer_file
 from agent.platform.freezejournal import FreezeJournal
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.procsignal import SignalOutcome, signal_identity
@@ -118,7 +112,7 @@ class FreezerActuator:
         if cgroup_dir not in self._journaled and self._journal.has_cgroup(cgroup_dir):
             return False  # a predecessor froze it and its thaw failed: the agent's to undo
         try:
-            frozen = is_frozen(cgroup_dir)
+            frozen = self._files.requested(cgroup_dir)  # once per slice: on the open file
         except CgroupGoneError:
             return False  # the freeze below says so
         if not frozen:

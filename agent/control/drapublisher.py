@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.clock import Clock, SystemClock
+from agent.control.retrylog import RetryLog
 from agent.domain.draslice import build_slice, desired_devices, is_current, pool_generation, slice_name
 from agent.domain.health import HealthBoard
 from agent.errors import KubeError
@@ -83,7 +84,11 @@ class SlicePublisher:
         self._lock = threading.Lock()
         self._stats = SlicePublisherStats()
         self._generation = 0  # the highest pool generation seen or written
-        self._logged_error = ""
+        self._retry_log = RetryLog(
+            log,
+            f"node {node_name}: cannot publish ResourceSlice {self._name}",
+            f"node {node_name}: publishing ResourceSlice {self._name} works again",
+        )
         self._seen_board = -1  # the board version and scaling the last pass was based on
         self._seen_scaling = 0.0
 
@@ -208,15 +213,9 @@ class SlicePublisher:
         with self._lock:
             self._stats.errors += 1
             self._stats.last_error = message
-        if message != self._logged_error:
-            self._logged_error = message
-            log.warning(
-                "node %s: cannot publish ResourceSlice %s: %s; retrying", self._node, self._name, message
-            )
+        self._retry_log.failed(message)
 
     def _succeeded(self) -> None:
         with self._lock:
             self._stats.last_success = self._clock.wall()
-        if self._logged_error:
-            log.info("node %s: publishing ResourceSlice %s works again", self._node, self._name)
-            self._logged_error = ""
+        self._retry_log.succeeded()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.clock import Clock, SystemClock
+from agent.control.retrylog import RetryLog
 from agent.domain.health import HealthBoard
 from agent.domain.nodeinventory import (
     CAPACITY_RESOURCE,
@@ -102,7 +103,11 @@ class NodePublisher:
         self._lock = threading.Lock()
         self._stats = PublisherStats()
         self._heartbeat_at: float | None = None  # clock.monotonic() of our last annotation write
-        self._logged_error = ""
+        self._retry_log = RetryLog(
+            log,
+            f"node {node_name}: cannot publish the GPU offer",
+            f"node {node_name}: publishing works again",
+        )
         self._seen_node = self._seen_board = 0  # versions the last pass was based on
         self._seen_scaling = 0.0
 
@@ -221,16 +226,12 @@ class NodePublisher:
         with self._lock:
             self._stats.errors += 1
             self._stats.last_error = message
-        if message != self._logged_error:
-            self._logged_error = message
-            log.warning("node %s: cannot publish the GPU offer: %s; retrying", self._node_name, message)
+        self._retry_log.failed(message)
 
     def _succeeded(self) -> None:
         with self._lock:
             self._stats.last_success = self._clock.wall()
-        if self._logged_error:
-            log.info("node %s: publishing works again", self._node_name)
-            self._logged_error = ""
+        self._retry_log.succeeded()
 
 
 def _changed(current: Mapping[str, Any], desired: Mapping[str, str | None]) -> dict[str, str | None]:

@@ -117,11 +117,9 @@ def read_all(stub: Stub, namespace: str, name: str) -> None:
     assert len(set(allocatable)) == len(allocatable)
 
 
-def recover(stub: Stub, verify_ids: list[str]) -> None:
-    """Agent start (rebuild), then a PreStartContainer (verify), trusting what kubelet says."""
-    count("podresources.recovery")
-    ledger = Ledger(GPUS)
-    recovery = LedgerRecovery(
+def recovery_of(stub: Stub, ledger: Ledger) -> LedgerRecovery:
+    """The agent's recovery over the fake pod cache, kubelet answering with ``stub``."""
+    return LedgerRecovery(
         gpus=GPUS,
         table=TABLE,
         ledger=ledger,
@@ -130,6 +128,13 @@ def recover(stub: Stub, verify_ids: list[str]) -> None:
         annotator=Annotator(Nowhere()),
         node_name=NODE,
     )
+
+
+def recover(stub: Stub, verify_ids: list[str]) -> None:
+    """Agent start (rebuild), then a PreStartContainer (verify), trusting what kubelet says."""
+    count("podresources.recovery")
+    ledger = Ledger(GPUS)
+    recovery = recovery_of(stub, ledger)
     report = recovery.rebuild()
     assert report.source == "pod-resources"
     assert all(isinstance(p, str) and p for p in report.problems)
@@ -198,13 +203,5 @@ def test_the_cache_pods_are_what_recovery_expects() -> None:
     # The properties above are only as good as records that hit real pods: check that one does.
     stub = Stub(pr.ListPodResourcesResponse(pod_resources=[record("default", "a", "c", IDS[0][:30])]))
     ledger = Ledger(GPUS)
-    LedgerRecovery(
-        gpus=GPUS,
-        table=TABLE,
-        ledger=ledger,
-        pods=PodCache(cache),
-        truth=client(stub),
-        annotator=Annotator(Nowhere()),
-        node_name=NODE,
-    ).rebuild()
+    recovery_of(stub, ledger).rebuild()
     assert [(a.pod, a.cores, a.memory_mib) for a in ledger.assignments()] == [("a", 30, 1000)]

@@ -9,18 +9,17 @@ import contextlib
 import json
 import resource
 import shutil
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.surfaces.statusclient import StatusUnavailableError, fetch_status
 from tests.integration.deploy_render import ROOT, container, load_yaml
+from tests.integration.prometheus import free_port
 
 BUILD_SCRIPT = ROOT / "deploy/image/build.sh"
 PODMAN_GLOBAL = ("--cgroup-manager=cgroupfs", "--events-backend=file")
@@ -48,13 +47,6 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def ulimits() -> list[str]:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile = 1048576 if hard == resource.RLIM_INFINITY else min(hard, 1048576)
@@ -68,20 +60,15 @@ class PodSpec:
     options: list[str]
     args: list[str]
     env: dict[str, str]
-    mounts: dict[str, tuple[Path, str]] = field(default_factory=dict)  # volume -> (host, mountPath)
 
 
 def pod_spec(
     ds: Doc,
     stand_ins: Mapping[str, Path],
     field_values: Mapping[str, str],
-    *,
-    drop_volumes: frozenset[str] = frozenset(),
-    drop_env: frozenset[str] = frozenset(),
 ) -> PodSpec:
     """``stand_ins``: volume name -> host directory used instead of its hostPath (a ConfigMap
-    volume must have one). ``field_values``: fieldRef path -> value (spec.nodeName...).
-    ``drop_*``: leave those out (to find what the run needs)."""
+    volume must have one). ``field_values``: fieldRef path -> value (spec.nodeName...)."""
     pod = ds["spec"]["template"]["spec"]
     agent = container(ds)
     options: list[str] = []
@@ -97,8 +84,6 @@ def pod_spec(
     spec = PodSpec(options, list(agent.get("args", [])), {})
     for mount in agent.get("volumeMounts", []):
         name = mount["name"]
-        if name in drop_volumes:
-            continue
         volume = volumes[name]
         host_path = volume.get("hostPath")
         if name in stand_ins:
@@ -116,10 +101,7 @@ def pod_spec(
         modes += {"None": [], "HostToContainer": ["rslave"], "Bidirectional": ["rshared"]}[propagation]
         suffix = ":" + ",".join(modes) if modes else ""
         options += ["-v", f"{host}:{mount['mountPath']}{suffix}"]
-        spec.mounts[name] = (host, mount["mountPath"])
     for env in agent.get("env", []):
-        if env["name"] in drop_env:
-            continue
         if "value" in env:
             spec.env[env["name"]] = env["value"]
         else:
@@ -144,15 +126,6 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return err.code, err.read().decode()
     except OSError as err:
         return 0, str(err)
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float, every_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(every_s)
-    return check()
 
 
 @dataclass

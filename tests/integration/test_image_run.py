@@ -28,6 +28,7 @@ import pytest
 
 from agent.emulators.kubelet import KubeletEmulator
 from tests.integration.deploy_render import ROOT
+from tests.integration.freezing import wait_for
 from tests.integration.image_run import (
     BUILD_SCRIPT,
     agent_container,
@@ -38,7 +39,6 @@ from tests.integration.image_run import (
     pod_spec,
     podman,
     summary,
-    wait_until,
 )
 
 pytestmark = pytest.mark.privileged
@@ -94,13 +94,13 @@ def test_the_image_runs_as_the_daemonset_runs_it(built_image: str, host_dirs: di
     try:
         with agent_container(spec, built_image, host_dirs["state"], SIMULATE, name) as agent:
             # Registration through the mounted plugin dir: kubelet.sock in, vcuda-core.sock out.
-            registered = wait_until(lambda: bool(kubelet.registrations) or not agent.running(), 90)
+            registered = wait_for(lambda: bool(kubelet.registrations) or not agent.running(), 90, 0.5)
             assert registered and kubelet.registrations, f"no registration with kubelet\n{summary(agent)}"
             plugin = kubelet.wait_for_plugin(timeout_s=30)
             assert len(plugin.healthy_ids()) == 200, "2 GPUs x 100 vcuda-core"
             assert (host_dirs["device-plugins"] / "vcuda-core.sock").is_socket()
             # /metrics on the host network; the tracer compiled against the host's headers.
-            assert wait_until(lambda: agent.bpf_status() not in ("", "starting"), 120), summary(agent)
+            assert wait_for(lambda: agent.bpf_status() not in ("", "starting"), 120, 0.5), summary(agent)
             assert agent.bpf_status() == "ok", summary(agent)
             metrics = agent.metrics()
             assert 'vcuda_gpu_healthy{gpu="0"' in metrics and f'node="{NODE}"' in metrics

@@ -256,19 +256,20 @@ class PrivateContainerd:
         self.containers.append(running)
         return running
 
+    def _task_row(self, container_id: str) -> list[str] | None:
+        """``ctr task ls``'s row of the container: id, pid, status; None without a task."""
+        rows = (line.split() for line in self.ctr("task", "ls").stdout.splitlines()[1:])
+        return next((row for row in rows if row and row[0] == container_id), None)
+
     def task_pid(self, container_id: str) -> int:
-        for line in self.ctr("task", "ls").stdout.splitlines()[1:]:
-            fields = line.split()
-            if fields and fields[0] == container_id:
-                return int(fields[1])
-        raise RuntimeError(f"container {container_id} has no task")
+        row = self._task_row(container_id)
+        if row is None:
+            raise RuntimeError(f"container {container_id} has no task")
+        return int(row[1])
 
     def task_status(self, container_id: str) -> str:
-        for line in self.ctr("task", "ls").stdout.splitlines()[1:]:
-            fields = line.split()
-            if fields and fields[0] == container_id:
-                return fields[2]
-        return "GONE"
+        row = self._task_row(container_id)
+        return "GONE" if row is None else row[2]
 
     @property
     def runc_root(self) -> Path:

@@ -75,16 +75,30 @@ class OpenFreezers:
         self._open: dict[Path, tuple[int, Path, bytes, bytes]] = {}
 
     def set(self, cgroup_dir: Path, frozen: bool) -> None:
-        entry = self._open.get(cgroup_dir)
-        if entry is None:
-            entry = self._open[cgroup_dir] = _open_freezer(cgroup_dir)
-        fd, path, freeze, thaw = entry
+        fd, path, freeze, thaw = self._entry(cgroup_dir)
         data = freeze if frozen else thaw
         try:
             os.pwrite(fd, data, 0)
         except OSError as err:
             self.close(cgroup_dir)
             raise _translate(path, f"write {data.decode()!r} to", err) from err
+
+    def requested(self, cgroup_dir: Path) -> bool:
+        """Whether the cgroup's own freezer file asks for frozen now, whoever wrote it (v2
+        ``cgroup.freeze`` 1, v1 FROZEN or FREEZING): read on the open file, no path lookup."""
+        fd, path, freeze, _ = self._entry(cgroup_dir)
+        try:
+            state = os.pread(fd, 16, 0).strip()
+        except OSError as err:
+            self.close(cgroup_dir)
+            raise _translate(path, "read", err) from err
+        return state in (freeze, b"FREEZING")
+
+    def _entry(self, cgroup_dir: Path) -> tuple[int, Path, bytes, bytes]:
+        entry = self._open.get(cgroup_dir)
+        if entry is None:
+            entry = self._open[cgroup_dir] = _open_freezer(cgroup_dir)
+        return entry
 
     def close(self, cgroup_dir: Path) -> None:
         entry = self._open.pop(cgroup_dir, None)
@@ -100,7 +114,7 @@ def _open_freezer(cgroup_dir: Path) -> tuple[int, Path, bytes, bytes]:
     for name, freeze, thaw in ((V2_FILE, b"1", b"0"), (V1_FILE, b"FROZEN", b"THAWED")):
         path = cgroup_dir / name
         try:
-            return os.open(path, os.O_WRONLY | os.O_CLOEXEC), path, freeze, thaw
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC), path, freeze, thaw
         except FileNotFoundError:
             continue
         except OSError as err:
