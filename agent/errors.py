@@ -51,6 +51,11 @@ class GpuHungError(GpuError):
         super().__init__(f"GPU {gpu_index}: {detail}")
 
 
+class DeviceSamplesUnsupportedError(GpuError):
+    """The driver keeps no device utilization samples (``nvmlDeviceGetSamples``) for this
+    GPU: the compute-cap loop cannot attribute busy time from them there."""
+
+
 class NoSuchGpuError(GpuError):
     """A GPU index or UUID that the inventory does not have."""
 

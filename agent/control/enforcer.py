@@ -1,20 +1,20 @@
-"""The compute-cap loop: measure each GPU container's use, set its duty, run the duty cycle.
+"""The compute-cap loop: measure each GPU container's use, decide whom to hold, act.
 
-Each control period (``period_s``), in one thread:
+Each control period (``period_s``), in one thread, for each GPU:
 
-1. read each GPU's new per-process samples and device utilization and measure each
-   container over its GPU's latest whole duty cycles (:mod:`agent.control.usagemeter`);
-2. compute targets, duties and the cycle length each container needs
-   (:mod:`agent.domain.dutycontrol`) from the specs;
-3. thaw and freeze the throttled containers at the edges of their slices of the GPU's
-   cycle (:mod:`agent.control.dutycycle`) that fall in this period, earliest first.
+1. read its new samples: device samples attributed through the agent's own record of whom
+   it kept thawed when (:mod:`agent.control.turnmeter`; GPUs held by *turns*, the default),
+   or NVML's per-process samples (:mod:`agent.control.dutyloop`; *duty cycles*, for GPUs
+   under MPS, drivers without device samples, and ``--control-feedback nvml``);
+2. set each container's target by policy and decide whom to hold
+   (:mod:`agent.control.turnloop` / :mod:`agent.domain.dutycontrol`);
+3. thaw and freeze at the times the turns or the duty cycles ask for, earliest first, until
+   the next period.
 
-A frozen container is thawed again within one cycle (at most ``max_cycle_s``). A GPU
-whose readings are stale (a backend call stuck, reads failing: ``UsageMeter.stale``) has
-all its containers released (thawed, not held) until readings come back: the loop never
-holds a container on figures it does not have. A freeze that fails (the freeze journal
-cannot be written, the freezer refused) is skipped and undone: nothing stays paused that
-the journal may not list.
+A GPU whose readings are stale (a backend call stuck, reads failing) has all its containers
+released (thawed, not held) until readings come back: the loop never holds a container on
+figures it does not have. A freeze that fails (the freeze journal cannot be written, the
+freezer refused) is skipped and undone: nothing stays paused that the journal may not list.
 The actuator (freezer or signals) is behind :class:`~agent.control.actuators.Actuator`;
 this loop does not know which. When the loop ends, for any reason, everything it froze is
 thawed. Time comes from a :class:`~agent.clock.Clock`, so tests drive it virtually.
@@ -22,74 +22,30 @@ thawed. Time comes from a :class:`~agent.clock.Clock`, so tests drive it virtual
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from agent.clock import Clock, SystemClock
 from agent.control.actuators import Actuator, ThrottleTarget
-from agent.control.dutycycle import CycleSchedule
-from agent.control.usagemeter import SampleSource, UsageMeter, container_key
-from agent.domain.dutycontrol import DutyState, Gains, Measurement, Member, next_duty, targets
+from agent.control.containers import ContainerControl, EnforcerStats, GpuView
+from agent.control.dutyloop import DutyLoop
+from agent.control.turnloop import TurnLoop
+from agent.control.turnmeter import TurnMeter
+from agent.control.usagemeter import SampleSource, container_key
+from agent.domain.dutycontrol import DutyState, Gains
 from agent.domain.specs import EnforcementSpec
+from agent.domain.turns import TurnSettings
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.freezejournal import JournalError
 
 log = logging.getLogger(__name__)
 
-FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
 FREEZE_SLOT_S = 0.004  # actions due this close together share one wake-up
 NOT_FOUND = "the container's cgroup was not found (yet)"
-DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-
-
-@dataclass
-class ContainerControl:
-    """What the loop knows about one GPU container (also what status and metrics show)."""
-
-    spec: EnforcementSpec
-    key: str
-    state: DutyState
-    target: ThrottleTarget | None = None
-    used: float = 0.0
-    goal: float | None = None  # the target utilization this period; None: not throttled
-    frozen: bool = False
-    frozen_s: float = 0.0  # total time frozen
-    freezes: int = 0  # throttle actions (freezes)
-    frozen_at: float = 0.0
-    throttled: bool = False  # held below what it would use (duty < 1)
-    problem: str = ""  # the last actuator error, for status
-    cycle_s: float = 0.0  # its GPU's duty cycle while it is throttled
-
-
-@dataclass(frozen=True)
-class GpuView:
-    index: int
-    device_percent: float | None
-    source: str
-    cycle_s: float = 0.0
-    stale: str | None = None  # why its containers are not held now (None: readings are fresh)
-
-
-@dataclass
-class EnforcerStats:
-    periods: int = 0
-    overruns: int = 0  # periods that started late by more than a period
-    measure_errors: int = 0
-    actuator_errors: int = 0
-    last_period_s: float = 0.0  # work time of the last period (not counting sleeps)
-    # Work time per period as a cumulative histogram (Prometheus buckets), for metrics.
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS_S))
-    duration_sum_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.last_period_s = seconds
-        self.duration_sum_s += seconds
-        for i, bound in enumerate(DURATION_BUCKETS_S):
-            if seconds <= bound:
-                self.bucket_counts[i] += 1
+FEEDBACKS = ("device", "nvml")  # turns on device samples (default), or duty cycles on NVML's samples
 
 
 class Enforcer:
@@ -104,21 +60,38 @@ class Enforcer:
         actuator: Actuator,
         period_s: float = 0.25,
         gains: Gains | None = None,
+        turns: TurnSettings | None = None,
+        feedback: str = "device",
+        concurrent: Callable[[int], bool] = lambda _gpu: False,
         clock: Clock | None = None,
         enabled: bool = True,
     ) -> None:
+        """``feedback``: "device" (turns wherever the GPU time-slices) or "nvml" (duty cycles
+        everywhere); ``concurrent``: whether a GPU's clients run concurrently now (MPS),
+        where turns do not apply."""
         self._gpus = tuple(gpus)
         self._specs = specs
         self._locate = locate
         self.actuator = actuator
         self.period_s = period_s
         self.gains = gains or Gains(period_s=period_s)
+        self.feedback = feedback
+        self._concurrent = concurrent
         self._clock = clock or SystemClock()
         self.enabled = enabled
-        self.meter = UsageMeter(
+        self.duty = DutyLoop(
             self._gpus, samples, owner_of, gains=self.gains, clock=self._clock, report=self._report
         )
-        self._cycles = {g: CycleSchedule() for g in self._gpus}
+        turn_settings = turns or TurnSettings()
+        self.turns = TurnLoop(
+            self._gpus,
+            TurnMeter(
+                self._gpus, samples, owner_of, settings=turn_settings, clock=self._clock, report=self._report
+            ),
+            settings=turn_settings,
+            clock_now=self._clock.monotonic,
+            idle_hold_s=self.gains.idle_hold_s,
+        )
         self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
@@ -127,6 +100,14 @@ class Enforcer:
         self.stats = EnforcerStats()
         # (container label, action, detail) when a container starts or stops being throttled
         self.on_action: list[Callable[[str, str, str], object]] = []
+
+    def uses_turns(self, gpu: int) -> bool:
+        """Whether the GPU is held by turns (else by duty cycles on NVML's samples)."""
+        return (
+            self.feedback == "device"
+            and not self._concurrent(gpu)
+            and not self.turns.meter.gpus[gpu].unsupported
+        )
 
     # The loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -148,59 +129,49 @@ class Enforcer:
         start = self._clock.monotonic() if start is None else start
         work_start = self._clock.monotonic()
         index = self.stats.periods
-        wall = self.meter.period_started(index, start)
-        for schedule in self._cycles.values():
-            schedule.advance(index, wall)
-        self.meter.read()
-        self.stats.measure_errors = self.meter.errors
-        throttled = self._control(index)
+        turn_gpus = [g for g in self._gpus if self.uses_turns(g)]
+        duty_gpus = [g for g in self._gpus if g not in turn_gpus]
+        self.duty.begin(index, start, duty_gpus)
+        self.turns.meter.read(turn_gpus, wait_s=0.4 * self.period_s)
+        self.stats.measure_errors = self.duty.meter.errors + self.turns.meter.errors
+        held = self._control(turn_gpus)
         self.stats.periods += 1
         self.stats.observe(self._clock.monotonic() - work_start)
         if not self.enabled:
             return
-        actions = sorted(self._actions(throttled, index, start), key=lambda action: action[0])
-        i = 0
-        while i < len(actions):
-            wait = actions[i][0] - self._clock.monotonic()
+        self._act(self.duty.actions(held, index, start), start + self.period_s, stop)
+
+    def _act(
+        self, duty_actions: list[tuple[float, ContainerControl, bool]], until: float, stop: threading.Event | None
+    ) -> None:
+        """Run the duty cycles' actions and the turns' until ``until``, earliest first."""
+        queue = [(at, n, control, freeze) for n, (at, control, freeze) in enumerate(duty_actions)]
+        heapq.heapify(queue)
+        while True:
+            next_at = min(queue[0][0] if queue else until, self.turns.next_time())
+            if next_at >= until:
+                return
+            wait = next_at - self._clock.monotonic()
             if wait > 0 and self._clock.sleep(wait, stop):
                 return  # stopping: run()'s finally thaws
             # Everything due within the next slot goes in this wake-up.
-            due = self._clock.monotonic() + FREEZE_SLOT_S
-            while i < len(actions) and actions[i][0] <= due:
-                _, control, freeze = actions[i]
-                with self._lock:
+            now = self._clock.monotonic()
+            with self._lock:
+                while queue and queue[0][0] <= now + FREEZE_SLOT_S:
+                    _, _, control, freeze = heapq.heappop(queue)
                     if freeze and not control.frozen and control.throttled:
                         self._freeze(control)
                     elif not freeze:
                         self._thaw(control)
-                i += 1
-
-    def _actions(
-        self, throttled: dict[int, list[ContainerControl]], index: int, start: float
-    ) -> list[tuple[float, ContainerControl, bool]]:
-        """(time, container, freeze?) for this period: a cycle starting thaws its GPU's
-        throttled containers, each is frozen once its duty of the cycle has passed."""
-        actions: list[tuple[float, ContainerControl, bool]] = []
-        for gpu, controls in throttled.items():
-            if not controls:
-                continue
-            schedule = self._cycles[gpu]
-            schedule.request(max(c.state.cycles for c in controls), index)
-            offset = schedule.offset(index)
-            length_s = schedule.length * self.period_s
-            cycle_start = start - offset * self.period_s
-            for control in controls:
-                control.cycle_s = length_s
-                if offset == 0 and control.frozen:
-                    actions.append((start, control, False))
-                freeze_at = cycle_start + control.state.duty * length_s
-                if (offset == 0 or not control.frozen) and freeze_at < start + self.period_s:
-                    actions.append((max(start, freeze_at), control, True))
-        return actions
+                for gpu, control, thaw in self.turns.due(now):
+                    if thaw:
+                        self._thaw(control, gpu)
+                    elif not control.frozen and (control.throttled or control.yielding):
+                        self._freeze(control, gpu)
 
     # Controlling ------------------------------------------------------------------------------
-    def _control(self, index: int) -> dict[int, list[ContainerControl]]:
-        """Duties from the measurements; the throttled containers per GPU."""
+    def _control(self, turn_gpus: Sequence[int]) -> dict[int, list[ContainerControl]]:
+        """Targets and whom to hold, per GPU; returns the duty-cycled GPUs' held containers."""
         by_gpu: dict[int, dict[str, EnforcementSpec]] = {gpu: {} for gpu in self._gpus}
         for spec in self._specs():
             if spec.container_id and spec.gpus and spec.gpus[0] in by_gpu:
@@ -211,39 +182,38 @@ class Enforcer:
             for key in self._controls.keys() - current:
                 self._drop(self._controls.pop(key))
             for gpu, on_gpu in by_gpu.items():
-                estimate = self.meter.estimate(gpu)
-                device = self.meter.estimators[gpu].device_mean()
-                cycle_s = self._cycles[gpu].length * self.period_s
-                stale = self._note_stale(gpu, self.meter.stale(gpu))
-                self._views[gpu] = GpuView(gpu, device, estimate.source, cycle_s, stale)
+                turns = gpu in turn_gpus
+                meter_stale = self.turns.meter.stale(gpu) if turns else self.duty.meter.stale(gpu)
+                stale = self._note_stale(gpu, meter_stale)
+                self._views[gpu] = self._view(gpu, turns, stale)
                 controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
                 if stale is not None:
                     for control in controls:  # fail safe: thawed and left alone
                         control.goal = None
-                        self._release(control)
+                        self._release(control, gpu)
+                    self.turns.reset(gpu)
                     throttled[gpu] = []
                     continue
-                measured = {c.key: self._measure(gpu, c.key) for c in controls}
-                members = []
-                for control in controls:
-                    seen = measured[control.key]
-                    if seen is not None:  # else: nothing new to measure yet, keep the last figure
-                        control.used = seen.used
-                    spec = control.spec
-                    members.append(
-                        Member(control.key, spec.policy, spec.cores, spec.cap, spec.ceiling, control.used)
-                    )
-                goals = targets(members)
+                acted = self.turns.update(gpu, controls) if turns else self.duty.control(gpu, controls)
+                acting = {c.key for c in acted}
                 held = throttled[gpu] = []
                 for control in controls:
-                    control.goal = goals[control.key]
-                    next_duty(control.state, measured[control.key], control.goal, self.gains)
-                    if control.goal is None or control.state.duty >= FULL_DUTY:
-                        self._release(control)
-                    elif self._ensure_target(control):
+                    if control.key in acting and self._ensure_target(control):
+                        if turns and control.yielding and not control.throttled:
+                            continue
                         held.append(control)
                         self._mark(control, True)
-        return throttled
+                    else:
+                        self._release(control, gpu)
+        return {g: c for g, c in throttled.items() if g not in turn_gpus}
+
+    def _view(self, gpu: int, turns: bool, stale: str | None) -> GpuView:
+        if not turns:
+            return self.duty.view(gpu, stale)
+        device = self.turns.meter.device_percent(gpu, self.gains.window_s)
+        controls = [c for c in self._controls.values() if c.spec.gpus and c.spec.gpus[0] == gpu]
+        cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
+        return GpuView(gpu, device, "turns", cycle, stale)
 
     def _note_stale(self, gpu: int, reason: str | None) -> str | None:
         """Log when a GPU's readings go stale and when they come back."""
@@ -253,10 +223,6 @@ class Enforcer:
         elif reason is None and gpu in self._stale:
             log.warning("GPU %d: readings are back (were: %s): caps held again", gpu, self._stale.pop(gpu))
         return reason
-
-    def _measure(self, gpu: int, key: str) -> Measurement | None:
-        schedule = self._cycles[gpu]
-        return self.meter.measure(gpu, key, schedule.length, schedule.phase, schedule.since_s)
 
     def _control_of(self, key: str, spec: EnforcementSpec) -> ContainerControl:
         control = self._controls.get(key)
@@ -281,7 +247,8 @@ class Enforcer:
         return True
 
     # Acting -----------------------------------------------------------------------------------
-    def _freeze(self, control: ContainerControl) -> None:
+    def _freeze(self, control: ContainerControl, gpu: int | None = None) -> None:
+        """``gpu``: where turns run, the attribution is told (it replays what the loop did)."""
         target = control.target
         assert target is not None
         try:
@@ -295,6 +262,7 @@ class Enforcer:
             control.problem = ""
         control.frozen, control.frozen_at = True, self._clock.monotonic()
         control.freezes += 1
+        self._acted(control, False, gpu)
 
     def _undo_freeze(self, control: ContainerControl, target: ThrottleTarget) -> None:
         """A failed freeze may have paused part of the container (signals: processes stopped
@@ -304,7 +272,7 @@ class Enforcer:
         except VcudaError as err:  # what it paused is in the journal: the watchdog's backstop
             log.error("%s: undoing a failed freeze failed: %s", control.spec.label, err)
 
-    def _thaw(self, control: ContainerControl) -> None:
+    def _thaw(self, control: ContainerControl, gpu: int | None = None) -> None:
         if not control.frozen or control.target is None:
             return
         try:
@@ -318,6 +286,13 @@ class Enforcer:
             return
         control.frozen = False
         control.frozen_s += self._clock.monotonic() - control.frozen_at
+        self._acted(control, True, gpu)
+
+    def _acted(self, control: ContainerControl, thawed: bool, gpu: int | None) -> None:
+        if gpu is None and control.spec.gpus:
+            gpu = control.spec.gpus[0]
+        if gpu is not None and gpu in self._gpus:
+            self.turns.acted(gpu, control, thawed, self._clock.monotonic())
 
     def _mark(self, control: ContainerControl, throttled: bool) -> None:
         if control.throttled == throttled:
@@ -334,10 +309,11 @@ class Enforcer:
         for listener in self.on_action:
             listener(control.spec.label, action, detail)
 
-    def _release(self, control: ContainerControl) -> None:
+    def _release(self, control: ContainerControl, gpu: int | None = None) -> None:
         """Not throttled any more: thawed, and forgotten by the actuator (and its journal)."""
         self._mark(control, False)
-        self._thaw(control)
+        control.yielding = False
+        self._thaw(control, gpu)
         if control.target is not None:
             try:
                 self.actuator.release(control.target)
@@ -349,7 +325,9 @@ class Enforcer:
     def _drop(self, control: ContainerControl) -> None:
         self._release(control)
         for gpu in control.spec.gpus:
-            self.meter.forget(gpu, control.key)
+            if gpu in self._gpus:
+                self.duty.forget(gpu, control.key)
+                self.turns.forget(gpu, control.key)
 
     def release_all(self) -> None:
         """Thaw everything (stop, or the loop died)."""
@@ -389,11 +367,15 @@ class Enforcer:
             return list(self._controls.values())
 
     def measured(self, control: ContainerControl) -> bool:
-        """Whether NVML ever credited the container with a sample (its ``used`` is measured,
-        not merely 0: under MPS, NVML may credit every client's work to the MPS server)."""
+        """Whether the container's ``used`` is measured, not merely 0: turns measure every
+        container of a GPU with device samples; duty cycles only those NVML ever credited
+        (under MPS, NVML may credit every client's work to the MPS server)."""
         gpus = control.spec.gpus
-        estimator = self.meter.estimators.get(gpus[0]) if gpus else None
-        return estimator is not None and estimator.has_samples(control.key)
+        if not gpus or gpus[0] not in self._gpus:
+            return False
+        if self.uses_turns(gpus[0]):
+            return self.turns.meter.gpus[gpus[0]].last_stamp_s is not None
+        return self.duty.measured(gpus[0], control.key)
 
     def gpu_views(self) -> dict[int, GpuView]:
         with self._lock:

@@ -28,7 +28,7 @@ from agent.domain.usage import Estimate, GpuUsageEstimator
 from agent.errors import VcudaError
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.guarded import DEADLINE_S
-from agent.platform.gpu.inventory import ProcessSample
+from agent.platform.gpu.inventory import DeviceSample, ProcessSample
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class SampleSource(Protocol):
     def device_utilization(self, index: int) -> int: ...
 
     def sample_period_s(self, index: int) -> float | None: ...
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]: ...
 
 
 class Pending(Protocol[T_co]):
@@ -59,6 +61,8 @@ class SubmittingSource(SampleSource, Protocol):
     def submit_device_utilization(self, index: int) -> Pending[int]: ...
 
     def submit_sample_period(self, index: int) -> Pending[float | None]: ...
+
+    def submit_device_samples(self, index: int, since_us: int) -> Pending[list[DeviceSample]]: ...
 
     def degraded(self, index: int) -> str | None: ...
 
@@ -116,14 +120,15 @@ class UsageMeter:
         self._starts.append((index, wall))
         return wall
 
-    def read(self) -> None:
-        """Take in every GPU's new samples and its device utilization."""
+    def read(self, gpus: Sequence[int] | None = None) -> None:
+        """Take in the new samples and the device utilization of ``gpus`` (default all)."""
         owners: dict[int, str | None] = {}
         now = self._clock.monotonic()
+        wanted = list(self.estimators) if gpus is None else [g for g in gpus if g in self.estimators]
         if self._submitting is not None:
-            self._read_submitted(now, owners)
+            self._read_submitted(now, owners, wanted)
         else:
-            for gpu in self.estimators:
+            for gpu in wanted:
                 try:
                     samples = self._samples.process_samples(gpu, self._since[gpu])
                     device = self._samples.device_utilization(gpu)
@@ -132,15 +137,15 @@ class UsageMeter:
                     continue
                 self._take(gpu, samples, device, now, owners)
         wall = self._clock.wall()
-        self._estimates = {gpu: e.estimate(wall) for gpu, e in self.estimators.items()}
+        self._estimates.update({gpu: self.estimators[gpu].estimate(wall) for gpu in wanted})
         self._spans = {}
 
-    def _read_submitted(self, now: float, owners: dict[int, str | None]) -> None:
+    def _read_submitted(self, now: float, owners: dict[int, str | None], gpus: Sequence[int]) -> None:
         """Submit a read for every GPU with none in flight, wait for them up to the read wait,
         take in those done (submitted this period or earlier); the rest stay in flight."""
         source = self._submitting
         assert source is not None
-        for gpu in self.estimators:
+        for gpu in gpus:
             if gpu in self._in_flight or source.degraded(gpu) is not None:
                 continue  # a stuck GPU takes no new calls: they would fail at once anyway
             try:

@@ -21,7 +21,7 @@ from typing import Protocol
 from agent.clock import VirtualClock
 from agent.errors import PlatformError
 from agent.platform.cgroups.paths import ContainerRef
-from agent.platform.gpu.inventory import ProcessSample
+from agent.platform.gpu.inventory import DeviceSample, ProcessSample
 from agent.platform.gpu.sim.engine import EngineConfig
 from agent.platform.gpu.sim.programs import Program
 from agent.platform.gpu.sim.virtual import VirtualNode, VirtualProcess
@@ -80,6 +80,10 @@ class VirtualGpuNode:
     def device_utilization(self, index: int) -> int:
         self.sync()
         return self.node.engines[index].device_utilization(self.clock.monotonic())
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        self.sync()
+        return self.node.engines[index].device_samples(since_us, self.clock.monotonic())
 
     def sample_period_s(self, index: int) -> float | None:
         return self.node.engines[index].config.sample_period_s

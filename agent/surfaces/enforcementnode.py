@@ -15,7 +15,8 @@ from typing import Any
 
 from agent.clock import Clock, SystemClock
 from agent.control.actuators import ThrottleTarget, make_actuator
-from agent.control.enforcer import ContainerControl, Enforcer
+from agent.control.containers import ContainerControl
+from agent.control.enforcer import Enforcer
 from agent.control.mpssharing import GpuSharing, MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.dutycontrol import Gains

@@ -6,7 +6,8 @@ import bisect
 
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
-from agent.control.enforcer import ContainerControl, Enforcer
+from agent.control.containers import ContainerControl
+from agent.control.enforcer import Enforcer
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import Gains
 from agent.domain.specs import EnforcementSpec

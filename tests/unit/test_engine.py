@@ -21,7 +21,7 @@ TOL = 1e-6
 def make_engine(wall_offset_s: float = 0.0, **fields: Any) -> GpuEngine:
     """An engine at t=0 whose samples are visible at once unless a test asks otherwise."""
     base: dict[str, Any] = {"sample_period_s": 0.1, "sample_delay_s": 0.0, "sample_jitter_s": 0.0}
-    return GpuEngine(EngineConfig(**(base | fields)), 0.0, wall_offset_s)
+    return GpuEngine(EngineConfig.ideal(**(base | fields)), 0.0, wall_offset_s)
 
 
 def ran(engine: GpuEngine, now: float) -> dict[int, float]:
@@ -35,7 +35,7 @@ def test_queued_work_drains_after_a_freeze_for_exactly_its_remaining_length() ->
     """burn with 10 ms kernels, queue of 100 (a blocked launch tops it up 6 at a time):
     frozen at t=1 with its queue nearly full, the GPU still runs exactly what was queued,
     then the context stays idle until it is thawed."""
-    node = VirtualNode([EngineConfig(queue_depth=100)])
+    node = VirtualNode([EngineConfig.ideal(queue_depth=100)])
     stats = WorkloadStats()
     proc = node.spawn(0, pattern_program(PatternSpec("burn", kernel_ms=10), stats))
     node.freeze(proc, 1.0)

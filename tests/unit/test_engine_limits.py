@@ -16,7 +16,7 @@ SERVER = 900
 
 def make_engine(**fields: Any) -> GpuEngine:
     base: dict[str, Any] = {"sample_period_s": 0.1, "sample_delay_s": 0.0, "sample_jitter_s": 0.0}
-    return GpuEngine(EngineConfig(**(base | fields)), 0.0, 0.0)
+    return GpuEngine(EngineConfig.ideal(**(base | fields)), 0.0, 0.0)
 
 
 def ran(engine: GpuEngine, now: float) -> dict[int, float]:

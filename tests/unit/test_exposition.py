@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Timestamp
 
-from agent.control.enforcer import ContainerControl, EnforcerStats
+from agent.control.containers import ContainerControl, EnforcerStats
 from agent.domain.dutycontrol import DutyState
 from agent.surfaces.metrics.enforcement_collector import EnforcementCollector
 from agent.surfaces.metrics.exposition import render

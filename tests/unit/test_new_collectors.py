@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from agent.clock import VirtualClock
-from agent.control.enforcer import ContainerControl, EnforcerStats
+from agent.control.containers import ContainerControl, EnforcerStats
 from agent.control.health import HealthMonitor
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import DutyState

@@ -29,7 +29,7 @@ TOL = 1e-6
 def start(
     spec: PatternSpec, config: EngineConfig | None = None
 ) -> tuple[VirtualNode, VirtualProcess, WorkloadStats]:
-    node = VirtualNode([config or EngineConfig()])
+    node = VirtualNode([config or EngineConfig.ideal()])
     stats = WorkloadStats()
     return node, node.spawn(0, pattern_program(spec, stats)), stats
 
@@ -61,7 +61,7 @@ def test_train_alone_keeps_the_gpu_busy_its_busy_share(
 
 def test_train_samples_read_its_busy_share() -> None:
     """40 ms steps, 40 ms think: every 0.1 s period reads 40, 50 or 60 %, 50 on average."""
-    config = EngineConfig(sample_period_s=0.1, sample_delay_s=0.0, sample_jitter_s=0.0)
+    config = EngineConfig.ideal(sample_period_s=0.1, sample_delay_s=0.0, sample_jitter_s=0.0)
     node, proc, _ = start(PatternSpec("train", busy=0.5), config)
     node.run_until(4.0)
     utils = [s.sm_util for s in node.engines[0].samples(0, 4.0) if s.pid == proc.pid]
@@ -104,7 +104,7 @@ def test_infer_at_a_low_rate_uses_rate_times_its_request_work() -> None:
 def test_infer_latency_doubles_when_it_shares_the_gpu_with_burn() -> None:
     """Its 2 ms kernels alternate with burn's 2 ms slices: 4 of its slices and 3 of burn's,
     plus up to a slice's wait at arrival: 14..16 ms."""
-    node = VirtualNode([EngineConfig(timeslice_s=0.002)])
+    node = VirtualNode([EngineConfig.ideal(timeslice_s=0.002)])
     stats = WorkloadStats()
     infer = node.spawn(0, pattern_program(PatternSpec("infer", rate=5.0), stats))
     burn = node.spawn(0, pattern_program(PatternSpec("burn"), WorkloadStats()))
@@ -140,7 +140,7 @@ def test_a_launch_larger_than_the_queue_tops_it_up_as_it_drains() -> None:
     """30000 launches into a queue of 1024: the queue stays nearly full (refilled 64 at a
     time), so the context never runs dry beside a neighbour (waiting for the queue to
     empty before refilling it let it drain to nothing each time)."""
-    node = VirtualNode([EngineConfig()])
+    node = VirtualNode([EngineConfig.ideal()])
     big = node.spawn(0, iter_ops([Launch(30_000, 0.001)]))
     burn = node.spawn(0, pattern_program(PatternSpec("burn", kernel_ms=1), WorkloadStats()))
     for t in (0.5, 1.0, 2.0, 10.0):
@@ -227,7 +227,7 @@ def test_burn_syncs_every_sync_every_launches() -> None:
 
 
 def test_bursty_alternates_on_and_off_phases() -> None:
-    config = EngineConfig(sample_period_s=0.1, sample_delay_s=0.0, sample_jitter_s=0.0)
+    config = EngineConfig.ideal(sample_period_s=0.1, sample_delay_s=0.0, sample_jitter_s=0.0)
     spec = PatternSpec("bursty", on_s=1.0, off_s=1.0)
     node, proc, stats = start(spec, config)
     node.run_until(6.0)
@@ -279,7 +279,7 @@ def test_pattern_defaults() -> None:
 
 
 def test_with_memory_allocates_first_and_grows_after_its_delay() -> None:
-    node = VirtualNode([EngineConfig()])
+    node = VirtualNode([EngineConfig.ideal()])
     program = with_memory(pattern_program(PatternSpec("train"), WorkloadStats()), 256, 512, 1.0)
     proc = node.spawn(0, program)
     engine = node.engines[0]
@@ -303,7 +303,7 @@ def test_with_memory_passes_the_program_through_unchanged() -> None:
 
 
 def test_an_allocation_the_gpu_cannot_hold_ends_the_process() -> None:
-    node = VirtualNode([EngineConfig(memory_bytes=1024 * MIB)])
+    node = VirtualNode([EngineConfig.ideal(memory_bytes=1024 * MIB)])
     proc = node.spawn(0, with_memory(pattern_program(PatternSpec("burn"), WorkloadStats()), 2048))
     assert proc.done
     assert proc.error == "out of memory on GPU 0: 2048 MiB asked, 1024 MiB free"

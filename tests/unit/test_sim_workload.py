@@ -40,7 +40,7 @@ def test_a_bad_mps_share_is_a_clear_error(raw: str) -> None:
 
 
 def test_memory_grows_once_after_its_deadline() -> None:
-    node = VirtualNode([EngineConfig()])
+    node = VirtualNode([EngineConfig.ideal()])
     program = with_memory(pattern_program(PatternSpec("train"), WorkloadStats()), 100, 400, 2.0)
     proc = node.spawn(0, program)
     node.run_until(1.9)
@@ -52,7 +52,7 @@ def test_memory_grows_once_after_its_deadline() -> None:
 
 
 def test_growth_past_the_gpu_fails_like_cuda() -> None:
-    node = VirtualNode([EngineConfig(memory_bytes=1024 * MIB)])
+    node = VirtualNode([EngineConfig.ideal(memory_bytes=1024 * MIB)])
     program = with_memory(pattern_program(PatternSpec("train"), WorkloadStats()), 100, 2048, 0.5)
     proc = node.spawn(0, program)
     node.run_until(1.0)

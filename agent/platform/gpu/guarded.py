@@ -30,12 +30,14 @@ from typing import Any, Generic, TypeVar, cast
 
 from agent.errors import GpuError, GpuHungError, NoSuchGpuError
 from agent.platform.gpu.inventory import (
+    CALL_DEVICE_SAMPLES,
     CALL_DEVICE_UTILIZATION,
     CALL_PROCESS_MEMORY,
     CALL_PROCESS_SAMPLES,
     CALL_SAMPLE_PERIOD,
     CALL_SET_MEMORY_LIMIT,
     DeviceEvent,
+    DeviceSample,
     GpuBackend,
     GpuInfo,
     ProcessMemory,
@@ -226,6 +228,9 @@ class GuardedBackend:
     def sample_period_s(self, index: int) -> float | None:
         return self._call(self.submit_sample_period(index))
 
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        return self._call(self.submit_device_samples(index, since_us))
+
     def process_memory(self, index: int) -> list[ProcessMemory]:
         inner = self.inner
         return self._call(
@@ -250,6 +255,10 @@ class GuardedBackend:
     def submit_device_utilization(self, index: int) -> PendingCall[int]:
         inner = self.inner
         return self._worker(index).submit(CALL_DEVICE_UTILIZATION, lambda: inner.device_utilization(index))
+
+    def submit_device_samples(self, index: int, since_us: int) -> PendingCall[list[DeviceSample]]:
+        inner = self.inner
+        return self._worker(index).submit(CALL_DEVICE_SAMPLES, lambda: inner.device_samples(index, since_us))
 
     def submit_sample_period(self, index: int) -> PendingCall[float | None]:
         inner = self.inner

@@ -101,6 +101,18 @@ class ProcessSample:
 
 
 @dataclass(frozen=True)
+class DeviceSample:
+    """One device utilization sample (``nvmlDeviceGetSamples`` with
+    ``NVML_GPU_UTILIZATION_SAMPLES``): the percent of its sample period during which one or
+    more kernels executed, stamped with the period's end (wall clock, µs). Taken every
+    period whether the GPU is busy or not, so it is the one per-period record of how busy the
+    GPU was (per-process samples credit whoever happened to be resident, design notes §12)."""
+
+    timestamp_us: int
+    util: int  # percent of the period, 0..100
+
+
+@dataclass(frozen=True)
 class ProcessMemory:
     """GPU memory a process holds on one GPU."""
 
@@ -114,6 +126,7 @@ CALL_PROCESS_SAMPLES = "nvmlDeviceGetProcessUtilization"
 CALL_DEVICE_UTILIZATION = "nvmlDeviceGetUtilizationRates"
 CALL_PROCESS_MEMORY = "nvmlDeviceGetComputeRunningProcesses"
 CALL_SAMPLE_PERIOD = "nvmlDeviceGetSamples"
+CALL_DEVICE_SAMPLES = "nvmlDeviceGetSamples"  # the same function, read for its values
 CALL_SET_MEMORY_LIMIT = "nvmlDeviceSetMemoryLimits_v1"
 PER_GPU_CALLS = (
     CALL_PROCESS_SAMPLES,
@@ -154,6 +167,11 @@ class GpuBackend(Protocol):
 
     def device_utilization(self, index: int) -> int:
         """Current SM utilization of the whole GPU, in percent."""
+        ...
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        """Device utilization samples newer than ``since_us``, in time order; ``[]`` when none
+        are new."""
         ...
 
     def sample_period_s(self, index: int) -> float | None:

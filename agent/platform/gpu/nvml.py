@@ -17,10 +17,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from agent.errors import GpuLostError, MemoryLimitUnsupportedError, NoSuchGpuError, NvmlError
+from agent.errors import (
+    DeviceSamplesUnsupportedError,
+    GpuLostError,
+    MemoryLimitUnsupportedError,
+    NoSuchGpuError,
+    NvmlError,
+)
 from agent.platform.driverfiles import LIBRARY_DIRS
 from agent.platform.gpu.inventory import (
     DeviceEvent,
+    DeviceSample,
     EventKind,
     GpuInfo,
     ProcessMemory,
@@ -333,6 +340,22 @@ class NvmlBackend:
         nvml, handle = self._nvml, self._handle(index)
         with self._call(index):
             return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        nvml, handle = self._nvml, self._handle(index)
+        with self._call(index):
+            try:
+                _kind, raw = nvml.nvmlDeviceGetSamples(handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, since_us)
+            except nvml.NVMLError as err:
+                code = int(err.value)
+                if code in (int(nvml.NVML_ERROR_NOT_FOUND), int(nvml.NVML_SUCCESS)):
+                    return []  # nothing newer than since_us
+                if code in (int(nvml.NVML_ERROR_NOT_SUPPORTED), int(nvml.NVML_ERROR_FUNCTION_NOT_FOUND)):
+                    raise DeviceSamplesUnsupportedError(f"GPU {index}: nvmlDeviceGetSamples: {err}") from err
+                raise
+        # NVML_VALUE_TYPE_UNSIGNED_INT for utilization samples: the union's uiVal.
+        samples = {int(s.timeStamp): int(s.sampleValue.uiVal) for s in raw if int(s.timeStamp) > since_us}
+        return [DeviceSample(stamp, min(100, util)) for stamp, util in sorted(samples.items())]
 
     def sample_period_s(self, index: int) -> float | None:
         """The driver's sample period: the median gap between the device's utilization

@@ -61,7 +61,10 @@ def gpu_main(args: argparse.Namespace) -> int:
         return 2
     gpus = sim_gpus(args.node_name, models)
     slots = tuple(
-        SimGpuSlot(g.index, g.uuid, g.model, g.memory_mib, c.sample_period_s, c.mps)
+        SimGpuSlot(
+            g.index, g.uuid, g.model, g.memory_mib, c.sample_period_s, c.mps, c.nvml_aggregation,
+            ring=c.nvml_view == "driver",
+        )
         for g, c in zip(gpus, configs, strict=True)
     )
     server = GpuServer(

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from agent.control.enforcer import DURATION_BUCKETS_S
+from agent.control.containers import DURATION_BUCKETS_S
 from agent.platform.gpu.inventory import GpuInfo
 from agent.surfaces.enforcementnode import EnforcementIntegration
 from agent.surfaces.metrics.families import CONTAINER_LABELS, adder, container_labels

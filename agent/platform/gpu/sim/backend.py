@@ -27,15 +27,17 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.clock import Clock, SystemClock
 from agent.errors import GpuLostError, MemoryLimitUnsupportedError, NoSuchGpuError, SimulationError
 from agent.platform.gpu.inventory import (
+    CALL_DEVICE_SAMPLES,
     CALL_DEVICE_UTILIZATION,
     CALL_PROCESS_MEMORY,
     CALL_PROCESS_SAMPLES,
     DeviceEvent,
+    DeviceSample,
     EventKind,
     GpuInfo,
     ProcessMemory,
@@ -45,11 +47,14 @@ from agent.platform.gpu.inventory import (
 from agent.platform.gpu.sim.client import Connection, NodeClient
 from agent.platform.gpu.sim.inventory import sim_gpus, sim_topology
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir, pid_alive
+from agent.platform.gpu.sim.nvmllib import process_utilization
+from agent.platform.gpu.sim.perfmon import RING_SAMPLES, Sample
 from agent.platform.gpu.sim.spec import parse_simulate_spec
 
 log = logging.getLogger(__name__)
 
 SAMPLES_KEPT = 4096  # per GPU
+_Stamped = TypeVar("_Stamped", Sample, DeviceSample)
 START_TIMEOUT_S = 20.0
 
 
@@ -86,7 +91,16 @@ class SimulatedBackend:
             self._release()
             raise
         self._since = {g.index: 0 for g in self._gpus}
-        self._samples = {g.index: collections.deque[ProcessSample](maxlen=SAMPLES_KEPT) for g in self._gpus}
+        self._device_since = {g.index: 0 for g in self._gpus}
+        # The driver's per-process samples as its ring holds them (the NVML library reads the
+        # ring at each call): only the last RING_SAMPLES where the node runs the driver view.
+        self._driver = {
+            g.index: collections.deque[Sample](
+                maxlen=RING_SAMPLES if self.node.gpu(g.index).ring else SAMPLES_KEPT
+            )
+            for g in self._gpus
+        }
+        self._device = {g.index: collections.deque[DeviceSample](maxlen=SAMPLES_KEPT) for g in self._gpus}
         self._utilization = {g.index: 0 for g in self._gpus}
         self._memory: dict[int, list[ProcessMemory]] = {g.index: [] for g in self._gpus}
         self._lost: set[int] = set()
@@ -189,16 +203,23 @@ class SimulatedBackend:
         return [event]
 
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
+        """What ``nvmlDeviceGetProcessUtilization`` returns: the NVML library's aggregation
+        (:mod:`.nvmllib`) of the driver's samples, as the node's GPU runs it."""
         self._refresh(index)
         self._stall(index, CALL_PROCESS_SAMPLES)
         with self._lock:
-            # Kept in timestamp order (the server releases periods in order): only the new
-            # tail is read, not the whole history, at every call.
-            newer = list(
-                itertools.takewhile(lambda s: s.timestamp_us > since_us, reversed(self._samples[index]))
-            )
-        newer.reverse()
-        return newer
+            newer = _tail(self._driver[index], since_us)
+        aggregation = self.node.gpu(index).nvml_aggregation
+        return [
+            ProcessSample(s.pid, s.timestamp_us, s.sm_util)
+            for s in process_utilization(newer, since_us, aggregation)
+        ]
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        self._refresh(index)
+        self._stall(index, CALL_DEVICE_SAMPLES)
+        with self._lock:
+            return _tail(self._device[index], since_us)
 
     def process_memory(self, index: int) -> list[ProcessMemory]:
         self._refresh(index)
@@ -274,7 +295,7 @@ class SimulatedBackend:
             if now - self._polled < self._refresh_s:
                 return
             try:
-                gpus = self._poller.poll(self._since)
+                gpus = self._poller.poll(self._since, self._device_since)
             except SimulationError as err:
                 raise SimulationError(f"cannot read the simulated GPUs: {err}") from err
             self._polled = now
@@ -283,10 +304,14 @@ class SimulatedBackend:
 
     def _take(self, gpu: dict[str, Any]) -> None:
         index = int(gpu["index"])
-        samples = [ProcessSample(int(p), int(t), int(u)) for p, t, u in gpu["samples"]]
-        self._samples[index].extend(samples)
-        if samples:
-            self._since[index] = max(s.timestamp_us for s in samples)
+        driver = [Sample(int(p), int(t), int(u)) for p, t, u in gpu["driver"]]
+        self._driver[index].extend(driver)
+        if driver:
+            self._since[index] = max(s.timestamp_us for s in driver)
+        device = [DeviceSample(int(t), int(u)) for t, u in gpu["device"]]
+        self._device[index].extend(device)
+        if device:
+            self._device_since[index] = max(s.timestamp_us for s in device)
         self._utilization[index] = int(gpu["utilization"])
         self._memory[index] = [ProcessMemory(int(p), int(b)) for p, b in gpu["memory"]]
         if gpu["lost"]:
@@ -312,6 +337,14 @@ class SimulatedBackend:
     def _check_index(self, index: int) -> None:
         if not 0 <= index < len(self._gpus):
             raise NoSuchGpuError(f"no GPU {index}: the simulated node has GPUs 0..{len(self._gpus) - 1}")
+
+
+def _tail(kept: collections.deque[_Stamped], since_us: int) -> list[_Stamped]:
+    """The samples newer than ``since_us`` of a buffer kept in timestamp order (the server
+    releases periods in order): only the new tail is read, not the whole history."""
+    newer = list(itertools.takewhile(lambda s: s.timestamp_us > since_us, reversed(kept)))
+    newer.reverse()
+    return newer
 
 
 def _answers(root: SimNodeDir) -> bool:

@@ -130,8 +130,16 @@ class NodeClient:
     def __init__(self, socket_path: Path, timeout_s: float = 10.0) -> None:
         self._conn = Connection(socket_path, timeout_s)
 
-    def poll(self, since_us: dict[int, int]) -> list[dict[str, Any]]:
-        reply = self._conn.call({"op": "poll", "since": {str(k): v for k, v in since_us.items()}})
+    def poll(self, since_us: dict[int, int], device_since_us: dict[int, int]) -> list[dict[str, Any]]:
+        """Every GPU's driver samples newer than ``since_us`` and device samples newer than
+        ``device_since_us`` (per GPU index), utilization, memory and state."""
+        reply = self._conn.call(
+            {
+                "op": "poll",
+                "since": {str(k): v for k, v in since_us.items()},
+                "device_since": {str(k): v for k, v in device_since_us.items()},
+            }
+        )
         return list(reply["gpus"])
 
     def truth(self) -> dict[str, Any]:

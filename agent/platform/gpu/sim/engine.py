@@ -57,15 +57,25 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.errors import InvalidSpecError
 from agent.platform.gpu.sim.memory import check_allocation
+from agent.platform.gpu.sim.nvmllib import AGGREGATIONS, process_utilization
+from agent.platform.gpu.inventory import DeviceSample
+from agent.platform.gpu.sim.perfmon import (
+    NO_PROCESS,
+    NVML_VIEWS,
+    SAMPLE_CREDITS,
+    PeriodUse,
+    Perfmon,
+    Sample,
+)
 from agent.platform.gpu.sim.schedule import EPS, RoundRobin, Served, serve_concurrent
 from agent.platform.gpu.sim.spec import DEFAULT_SAMPLE_PERIOD_S
 
 MAX_SAMPLE_PERIOD_S = 1.0
 MPS_SAMPLES = ("server", "client")  # whom NVML credits with an MPS client's work
-SAMPLES_KEPT = 4096  # per GPU, like the driver's sample buffer
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,21 @@ class EngineConfig:
     mps_samples: str = "server"  # under an attached MPS server: "server" or "client" samples
     sm_count: int | None = 132  # MPS shares are whole TPCs of these SMs (None: as given)
     seed: int = 0
+    nvml_view: str = "driver"  # "driver": as NVIDIA's driver samples; "exact": the ideal (perfmon.py)
+    nvml_aggregation: str = "per-sample"  # what NVML makes of the driver's samples (nvmllib.py)
+    sm_activity: float = 0.867  # SM activity a context's kernels show (an H100 matmul loop's)
+    switch_s: float = 0.00025  # a time-slice switch between contexts: busy, no work done
+    sample_credit: str = "resident"  # what a driver sample credits its process with (perfmon.py)
+    credit_window_s: float = 1.0  # ...averaged over this much time ("resident")
+    host_wake_s: float = 0.00005  # after a sync, the host thread runs again this much later (mean)
+
+    @classmethod
+    def ideal(cls, **fields: Any) -> EngineConfig:
+        """The engine without the hardware's inconveniences: free context switches and host
+        wake-ups, SM activity of 1 and NVML's exact view (the comparison the realistic
+        default is measured against; tests of queue mechanics)."""
+        base: dict[str, Any] = {"switch_s": 0.0, "host_wake_s": 0.0, "sm_activity": 1.0, "nvml_view": "exact"}
+        return cls(**(base | fields))
 
     def problems(self) -> list[str]:
         """Every invalid field, named."""
@@ -100,21 +125,28 @@ class EngineConfig:
             found.append(f"queue depth must be 1..1000000 launches, got {self.queue_depth}")
         if self.mps_samples not in MPS_SAMPLES:
             found.append(f"MPS samples must be one of {', '.join(MPS_SAMPLES)}, got {self.mps_samples!r}")
+        if self.nvml_view not in NVML_VIEWS:
+            found.append(f"NVML view must be one of {', '.join(NVML_VIEWS)}, got {self.nvml_view!r}")
+        if self.nvml_aggregation not in AGGREGATIONS:
+            found.append(
+                f"NVML aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.nvml_aggregation!r}"
+            )
+        if not 0.01 <= self.sm_activity <= 1.0:
+            found.append(f"SM activity must be 0.01..1, got {self.sm_activity:g}")
+        if self.sample_credit not in SAMPLE_CREDITS:
+            found.append(f"sample credit must be one of {', '.join(SAMPLE_CREDITS)}, got {self.sample_credit!r}")
+        if not 0 < self.credit_window_s <= 10:
+            found.append(f"credit window must be > 0 and <= 10 s, got {self.credit_window_s:g} s")
+        if not 0 <= self.host_wake_s <= 0.1:
+            found.append(f"host wake-up must be 0..100 ms, got {self.host_wake_s * 1000:g} ms")
+        if not 0 <= self.switch_s <= 0.1:
+            found.append(f"context switch must be 0..100 ms, got {self.switch_s * 1000:g} ms")
         return found
 
     def validate(self) -> None:
         found = self.problems()
         if found:
             raise InvalidSpecError("; ".join(found))
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One NVML-style per-process sample."""
-
-    pid: int
-    timestamp_us: int  # the end of its sample period, wall clock
-    sm_util: int  # percent of the period the context ran (MPS: of the GPU's capacity)
 
 
 @dataclass(frozen=True)
@@ -140,6 +172,7 @@ class Context:
     mps_client: bool = False  # runs under the GPU's attached MPS server
     memory_limit: int | None = None  # bytes: MPS pinned device-memory limit
     cgroup: str = ""  # the process's cgroup v2 directory (full path), for per-cgroup limits
+    sm_activity: float = 1.0  # the SM activity its kernels show while they run (perfmon.py)
     groups: collections.deque[list[float]] = field(default_factory=collections.deque)  # [count, seconds each]
     head_done: float = 0.0  # GPU time already spent on the first queued launch
     queued: int = 0
@@ -199,14 +232,15 @@ class GpuEngine:
         self.lost = False
         self.contexts: list[Context] = []
         self._next_cid = 1
-        self._slices = RoundRobin(config.timeslice_s)
+        self._slices = RoundRobin(config.timeslice_s, switch_s=config.switch_s)
         self._origin = now
         self._period = 0  # index of the sample period in progress
-        self._departed_ran: dict[int, float] = {}  # pid -> GPU time this period, of contexts gone
+        # pid -> (GPU time, SM-seconds) this period, of contexts gone
+        self._departed: dict[int, tuple[float, float]] = {}
         self._rng = random.Random(config.seed * 1009 + index)
-        self._samples: collections.deque[tuple[float, Sample]] = collections.deque(maxlen=SAMPLES_KEPT)
+        credit_periods = max(1, round(config.credit_window_s / config.sample_period_s))
+        self.perfmon = Perfmon(config.nvml_view, config.sample_credit, credit_periods)
         self._last_visible = now
-        self._device_util = 0
         self._period_busy = 0.0
         self.busy_s = 0.0  # time with any context running
         self.work_s = 0.0  # GPU time executed, summed over contexts (= busy_s without MPS)
@@ -228,8 +262,12 @@ class GpuEngine:
         mps_client: bool = False,
         memory_limit: int | None = None,
         cgroup: str = "",
+        sm_activity: float | None = None,
     ) -> Context:
+        """``sm_activity``: what the process's kernels show as SM activity (None: the GPU's
+        default for a compute-bound loop)."""
         self.advance(now)
+        activity = self.config.sm_activity if sm_activity is None else min(1.0, max(0.01, sm_activity))
         ctx = Context(
             self._next_cid,
             pid,
@@ -238,6 +276,7 @@ class GpuEngine:
             mps_client=mps_client,
             memory_limit=memory_limit,
             cgroup=cgroup,
+            sm_activity=activity,
         )
         self._next_cid += 1
         self.contexts.append(ctx)
@@ -272,12 +311,17 @@ class GpuEngine:
         i = self.contexts.index(ctx)
         self.contexts.pop(i)
         if ctx.period_ran > 0:
-            server = self.mps_server_pid if self.config.mps_samples == "server" else None
-            pid = server if server is not None and ctx.mps_client else ctx.pid
-            self._departed_ran[pid] = self._departed_ran.get(pid, 0.0) + ctx.period_ran
-        if i < self._slices.cursor or self._slices.cursor >= len(self.contexts):
-            self._slices.cursor = max(0, self._slices.cursor - 1) if i < self._slices.cursor else 0
-            self._slices.slice_left = self.config.timeslice_s
+            pid = self._credited_pid(ctx)
+            ran, act = self._departed.get(pid, (0.0, 0.0))
+            self._departed[pid] = (ran + ctx.period_ran, act + ctx.period_ran * ctx.sm_activity)
+        slices = self._slices
+        if i < slices.cursor or slices.cursor >= len(self.contexts):
+            slices.cursor = max(0, slices.cursor - 1) if i < slices.cursor else 0
+            slices.slice_left = self.config.timeslice_s
+        if i == slices.last:
+            slices.last, slices.switch_left = -1, 0.0  # its state is gone: the next one loads
+        elif i < slices.last:
+            slices.last -= 1
         ctx.groups.clear()
         ctx.queued, ctx.pending, ctx.memory_bytes = 0, 0.0, 0
 
@@ -316,9 +360,7 @@ class GpuEngine:
         if self.mps:
             return serve_concurrent(remaining, [c.share for c in self.contexts], span, goals)
         if span == math.inf:  # a prediction: the schedule itself must not move
-            return RoundRobin(self._slices.timeslice, self._slices.cursor, self._slices.slice_left).serve(
-                remaining, span, goals
-            )
+            return self._slices.copy().serve(remaining, span, goals)
         return self._slices.serve(remaining, span, goals)
 
     def _period_end(self) -> float:
@@ -342,33 +384,55 @@ class GpuEngine:
                 continue
             self._close_period()
             if not any(c.pending > EPS for c in self.contexts):
-                # Idle: the whole periods up to ``now`` have no samples; skip them at once.
+                # Idle: the whole periods up to ``now`` did nothing; record them at once.
                 current = int((now - self._origin) / period)
                 if current > self._period:
+                    ends = [self._origin + (k + 1) * period for k in range(self._period, current)]
+                    stamps = [self._stamp(e) for e in ends[-4096:]]
+                    self.perfmon.record_idle(stamps, period, ends[-1], self._visible(ends[-1]))
                     self._period = current
                     self.now = max(self.now, self._origin + current * period)
-                    self._device_util = 0
+
+    def _stamp(self, end: float) -> int:
+        return round((end + self.wall_offset_s) * 1_000_000)
+
+    def _visible(self, end: float) -> float:
+        """When NVML first reports a sample of the period that ended at ``end``."""
+        late = self.config.sample_delay_s + self.config.sample_jitter_s * self._rng.random()
+        self._last_visible = max(self._last_visible, end + late)
+        return self._last_visible
+
+    def _credited_pid(self, ctx: Context) -> int:
+        """Whom the driver credits with a context's work: the MPS server for its clients
+        (in the ``server`` attribution), else its own process."""
+        server = self.mps_server_pid if self.config.mps_samples == "server" else None
+        return server if server is not None and ctx.mps_client else ctx.pid
+
+    def _executing(self) -> int:
+        """The process whose context executes on the engine now (time-slicing), or the MPS
+        server whose clients share it."""
+        if self.mps:
+            return self.mps_server_pid or NO_PROCESS
+        last = self._slices.last
+        if not 0 <= last < len(self.contexts) or self.contexts[last].pending <= EPS:
+            return NO_PROCESS  # idle: nothing executes
+        return self.contexts[last].pid
 
     def _close_period(self) -> None:
-        period = self.config.sample_period_s
         end = self._period_end()
-        stamp = round((end + self.wall_offset_s) * 1_000_000)
-        late = self.config.sample_delay_s + self.config.sample_jitter_s * self._rng.random()
-        visible = max(self._last_visible, end + late)
-        self._last_visible = visible
-        ran = dict(self._departed_ran)
-        server = self.mps_server_pid if self.config.mps_samples == "server" else None
+        ran = {pid: r for pid, (r, _a) in self._departed.items()}
+        activity = {pid: a for pid, (_r, a) in self._departed.items()}
         for ctx in self.contexts:
             if ctx.period_ran > 0:
-                pid = server if server is not None and ctx.mps_client else ctx.pid
+                pid = self._credited_pid(ctx)
                 ran[pid] = ran.get(pid, 0.0) + ctx.period_ran
+                activity[pid] = activity.get(pid, 0.0) + ctx.period_ran * ctx.sm_activity
             ctx.period_ran = 0.0
-        for pid, seconds in ran.items():
-            if seconds > EPS:
-                self._samples.append((visible, Sample(pid, stamp, min(100, round(100 * seconds / period)))))
-        self._device_util = min(100, round(100 * self._period_busy / period))
+        use = PeriodUse(self.config.sample_period_s, ran, activity, self._period_busy, self._executing())
+        per_process = self.mps and (self.mps_server_pid is None or self.config.mps_samples == "client")
+        self.perfmon.record(use, self._stamp(end), self.now, self._visible(end), per_process=per_process)
         self._period_busy = 0.0
-        self._departed_ran = {}
+        self._departed = {}
         self._period += 1
 
     # Predictions ----------------------------------------------------------------------------
@@ -390,13 +454,25 @@ class GpuEngine:
 
     # NVML's view ----------------------------------------------------------------------------
     def samples(self, since_us: int, now: float) -> list[Sample]:
-        """Per-process samples newer than ``since_us`` that are visible at ``now``."""
+        """What ``nvmlDeviceGetProcessUtilization(lastSeenTimeStamp=since_us)`` returns at
+        ``now``: the driver's visible samples as NVML aggregates them (:mod:`.nvmllib`)."""
         self.advance(now)
-        return [s for visible, s in self._samples if visible <= now and s.timestamp_us > since_us]
+        aggregation = self.config.nvml_aggregation if self.config.nvml_view == "driver" else "per-sample"
+        return process_utilization(self.perfmon.samples(since_us, now), since_us, aggregation)
+
+    def driver_samples(self, since_us: int, now: float) -> list[Sample]:
+        """The driver's per-process samples themselves (pid 0: none resident)."""
+        self.advance(now)
+        return self.perfmon.samples(since_us, now)
+
+    def device_samples(self, since_us: int, now: float) -> list[DeviceSample]:
+        """``nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES, lastSeenTimeStamp=since_us)``."""
+        self.advance(now)
+        return self.perfmon.device_samples(since_us, now)
 
     def device_utilization(self, now: float) -> int:
         self.advance(now)
-        return self._device_util
+        return self.perfmon.last_device_util(now)
 
     def memory(self) -> dict[int, int]:
         used: dict[int, int] = {}

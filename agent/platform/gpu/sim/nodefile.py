@@ -34,6 +34,8 @@ class SimGpuSlot:
     memory_mib: int
     sample_period_s: float
     mps: bool
+    nvml_aggregation: str = "per-sample"  # what the NVML library makes of the driver's samples
+    ring: bool = True  # the driver keeps its per-process samples in the perfmon ring (driver view)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class SimNodeDir:
                     int(g["memory_mib"]),
                     float(g["sample_period_s"]),
                     bool(g["mps"]),
+                    str(g.get("nvml_aggregation", "per-sample")),
+                    bool(g.get("ring", True)),
                 )
                 for g in raw["gpus"]
             )

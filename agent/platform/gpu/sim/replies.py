@@ -49,20 +49,25 @@ def poll_reply(
     now: float,
     hangs: Mapping[int, tuple[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """``hangs``: GPU -> (NVML call, monotonic end) of injected hangs; an active one is sent
-    as ``hang: [call, seconds left]``."""
-    since = request.get("since") or {}
-    if not isinstance(since, dict):
-        raise RequestError("poll: since must map GPU indexes to µs timestamps")
+    """The driver's samples newer than ``since`` (per-process) and ``device_since`` (device
+    utilization), per GPU: NVML's aggregation of the per-process ones runs in the reader, as
+    the NVML library does. ``hangs``: GPU -> (NVML call, monotonic end) of injected hangs; an
+    active one is sent as ``hang: [call, seconds left]``."""
+    since, device_since = request.get("since") or {}, request.get("device_since") or {}
+    if not isinstance(since, dict) or not isinstance(device_since, dict):
+        raise RequestError("poll: since and device_since must map GPU indexes to µs timestamps")
     gpus = []
     for engine in engines:
         after = int(since.get(str(engine.index), 0))
-        samples = [[s.pid, s.timestamp_us, s.sm_util] for s in engine.samples(after, now)]
+        device_after = int(device_since.get(str(engine.index), 0))
+        driver = [[s.pid, s.timestamp_us, s.sm_util] for s in engine.driver_samples(after, now)]
+        device = [[s.timestamp_us, s.util] for s in engine.device_samples(device_after, now)]
         gpu: dict[str, Any] = {
             "index": engine.index,
             "lost": engine.lost,
             "utilization": engine.device_utilization(now),
-            "samples": samples,
+            "driver": driver,
+            "device": device,
             "memory": [[pid, used] for pid, used in engine.memory().items()],
         }
         hang = (hangs or {}).get(engine.index)

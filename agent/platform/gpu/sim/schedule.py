@@ -47,11 +47,22 @@ def _next_active(rem: Sequence[float], after: int) -> int:
 
 @dataclass
 class RoundRobin:
-    """Where time-slicing stands: ``cursor`` holds the GPU with ``slice_left`` of its slice."""
+    """Where time-slicing stands: ``cursor`` holds the GPU with ``slice_left`` of its slice;
+    ``last`` is the context whose state is loaded. Running another one first costs
+    ``switch_s`` (saving one context's state and loading the next: the engine is busy and no
+    work moves), of which ``switch_left`` is still to go when a stretch ended inside one."""
 
     timeslice: float
     cursor: int = 0
     slice_left: float = 0.0
+    switch_s: float = 0.0
+    last: int = -1
+    switch_left: float = 0.0
+
+    def copy(self) -> RoundRobin:
+        return RoundRobin(
+            self.timeslice, self.cursor, self.slice_left, self.switch_s, self.last, self.switch_left
+        )
 
     def serve(
         self, remaining: Sequence[float], span: float, goals: Mapping[int, float] | None = None
@@ -63,6 +74,8 @@ class RoundRobin:
         n = len(remaining)
         cur = self.cursor if 0 <= self.cursor < n else 0
         left = self.slice_left if 0 < self.slice_left <= self.timeslice else self.timeslice
+        last = self.last if 0 <= self.last < n else -1
+        switch_left = self.switch_left if last != cur else 0.0
         while run.t < span - EPS and n and not run.all_reached():
             active = [i for i in range(n) if run.rem[i] > EPS]
             if not active:
@@ -70,8 +83,18 @@ class RoundRobin:
             if run.rem[cur] <= EPS or left <= EPS:
                 nxt = _next_active(run.rem, cur)
                 if nxt != cur or run.rem[cur] <= EPS:
-                    cur = nxt
+                    cur, switch_left = nxt, 0.0
                 left = self.timeslice
+            if cur != last:  # load its state first
+                if switch_left <= EPS:
+                    switch_left = self.switch_s
+                step = min(switch_left, span - run.t)
+                run.switching(step)
+                switch_left -= step
+                if switch_left > EPS:
+                    break  # the stretch ends inside the switch
+                last, switch_left = cur, 0.0
+                continue
             if len(active) == 1:  # alone: no switching, the slice clock just runs on
                 amount = min(span - run.t, run.rem[cur], run.goal_left(cur))
                 run.give(cur, amount, amount)
@@ -80,22 +103,25 @@ class RoundRobin:
             if left >= self.timeslice - EPS:
                 rounds = self._whole_rounds(run, active, span)
                 if rounds:  # every active context gets whole slices for ``rounds`` rounds
-                    step = rounds * len(active) * self.timeslice
+                    turns = rounds * len(active)
+                    step = turns * self.timeslice + (turns - 1) * self.switch_s
                     for i in active:
                         run.give(i, rounds * self.timeslice, step, advance=False)
                     run.t += step
                     run.busy += step
+                    last = active[active.index(cur) - 1]  # the round ends with the one before
                     continue
             amount = min(left, run.rem[cur], span - run.t, run.goal_left(cur))
             run.give(cur, amount, amount)
             left -= amount
-        self.cursor, self.slice_left = cur, left
+        self.cursor, self.slice_left, self.last, self.switch_left = cur, left, last, switch_left
         return run.result(span)
 
     def _whole_rounds(self, run: _Run, active: Sequence[int], span: float) -> int:
         rounds = min(int((run.rem[i] + EPS) // self.timeslice) for i in active)
         if span < math.inf:
-            rounds = min(rounds, int((span - run.t + EPS) // (len(active) * self.timeslice)))
+            turn = self.timeslice + self.switch_s
+            rounds = min(rounds, int((span - run.t + EPS) // (len(active) * turn)))
         for i in active:
             if i in run.need and i not in run.reached:
                 # Stop short of the goal: the slice that meets it is served one at a time.
@@ -122,6 +148,11 @@ class _Run:
 
     def goal_left(self, i: int) -> float:
         return self.need[i] - self.served[i] if i in self.need and i not in self.reached else math.inf
+
+    def switching(self, duration: float) -> None:
+        """A context switch: the engine is busy, nobody's work moves."""
+        self.t += duration
+        self.busy += duration
 
     def give(self, i: int, amount: float, duration: float, *, advance: bool = True) -> None:
         """Context ``i`` got ``amount`` of work done; ``duration`` seconds passed (when

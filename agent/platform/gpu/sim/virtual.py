@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class VirtualProcess:
     done: bool = False
     error: str = ""
     freezes: list[tuple[float, bool]] = field(default_factory=list)  # (time, frozen)
+    waking: bool = False  # a sync returned: the host thread runs again at ``wake_at``
 
 
 class VirtualNode:
@@ -48,6 +50,7 @@ class VirtualNode:
         self.processes: list[VirtualProcess] = []
         self._pids = itertools.count(1000)
         self._wakes: dict[int, dict[int, float]] = {}  # gpu -> cid -> predicted time (valid until dirty)
+        self._rng = random.Random(sum(c.seed for c in configs) * 7919 + len(configs))
 
     def spawn(
         self, gpu: int, program: Program, *, share: float = 1.0, mps_client: bool = False
@@ -135,8 +138,19 @@ class VirtualNode:
                     self._dirty(proc.gpu)
                 return
             self._dirty(proc.gpu)
+            wake = self._host_wake(proc) if proc.blocked.sync else 0.0
             proc.blocked = None
+            if wake > 0:  # the host thread that waited wakes up a little later
+                proc.wake_at, proc.waking = self.now + wake, True
+                return
+        proc.waking = False
         self._resume(proc, self.now)
+
+    def _host_wake(self, proc: VirtualProcess) -> float:
+        """How long after its queue drained a process that synced runs again (uniform
+        within ±50 % of the engine's ``host_wake_s``, seeded)."""
+        mean = self.engines[proc.gpu].config.host_wake_s
+        return mean * (0.5 + self._rng.random()) if mean > 0 else 0.0
 
     def _start(self, proc: VirtualProcess) -> None:
         try:

@@ -1,0 +1,357 @@
+"""Turns: how the compute-cap loop holds containers on a time-sliced GPU.
+
+Per GPU, each control period:
+
+1. :class:`~agent.control.turnmeter.TurnMeter` attributes the new device samples to
+   containers through the agent's own record of whom it kept thawed when, and settles the
+   held containers' accounts with it;
+2. :meth:`TurnLoop.update` sets each container's target by policy (as the duty cycles did:
+   fixed-share its cap; burst-share its ceiling while alone, its request while a neighbour
+   is active; best-effort none) and decides who is *held*: a container measured over its
+   target is held from then on; a held one that has not spent what it earned for
+   ``idle_hold_s`` (it needs less than its share) is released; nobody is held on stale
+   readings;
+3. between periods, :meth:`TurnLoop.due` runs the turns (:mod:`agent.domain.turns`): at
+   each turn's start the held container whose turn it is is thawed and every other held
+   one is frozen; unheld containers that use the GPU *yield* (are frozen) during held
+   containers' turns and run between them. So at most one held container runs at a time,
+   alone: the device samples of its turn are its own, and its share is measured, not
+   guessed.
+
+The enforcer does the freezing and thawing (:mod:`agent.control.enforcer`) and tells the
+meter what it did (``acted``), which is the record the attribution replays.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agent.control.containers import ContainerControl
+from agent.control.turnmeter import TurnMeter
+from agent.domain.annotations import Policy
+from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
+
+ACTIVE_PERCENT = 5.0  # a container using this much of the GPU wants its share
+HOLD_MARGIN_PP = 1.0  # an unheld container is held once measured this far over its target
+USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
+ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
+CREDIT_WINDOW_S = 2.0  # an unheld container NVML credited this recently uses the GPU
+FIGURES_S = 10.0  # duty and cycle: over the turns of this long
+SLOT_S = 0.004  # actions this close together go in one wake-up
+FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a container's first drain to show over
+
+IDLE_BALANCE_QUANTA = 0.5  # an idle held container keeps at most this much of a quantum
+
+
+
+@dataclass
+class _GpuTurns:
+    turn: Turn[str] | None = None
+    next_decision: float = math.inf
+    pending: list[tuple[float, str, bool]] = field(default_factory=list)  # (monotonic, key, thaw?)
+    controls: dict[str, ContainerControl] = field(default_factory=dict)
+    yielding: set[str] = field(default_factory=set)  # unheld containers that yield to turns
+    order: list[str] = field(default_factory=list)  # ties go round-robin
+    full_since: dict[str, float] = field(default_factory=dict)  # held, not spending, since
+    thaws: dict[str, collections.deque[tuple[float, float]]] = field(default_factory=dict)
+    cycle: Cycle[str] | None = None
+    frozen_at: dict[str, float] = field(default_factory=dict)  # frozen lately, whose drain may run
+    waiting_for: dict[str, float] = field(default_factory=dict)  # drains being watched (freeze time)
+    expected: dict[str, float] = field(default_factory=dict)  # drain expected after its next freeze
+
+
+class TurnLoop:
+    """The turns of the GPUs that run them (one control loop's, not thread-safe)."""
+
+    def __init__(
+        self,
+        gpus: Sequence[int],
+        meter: TurnMeter,
+        *,
+        settings: TurnSettings,
+        clock_now: Callable[[], float],
+        idle_hold_s: float,
+    ) -> None:
+        self.meter = meter
+        self.settings = settings
+        self._now = clock_now
+        self._idle_hold_s = idle_hold_s
+        self._gpus = {g: _GpuTurns() for g in gpus}
+
+    # Each period --------------------------------------------------------------------------------
+    def update(self, gpu: int, controls: Sequence[ContainerControl]) -> list[ContainerControl]:
+        """Targets, figures and who is held; returns the containers the loop acts on (held
+        ones and those that yield), the rest to be released."""
+        now = self._now()
+        state = self._gpus[gpu]
+        data = self.meter.gpus[gpu]
+        for key in set(state.controls) - {c.key for c in controls}:
+            self._drop(gpu, key)
+        for control in controls:
+            if control.key not in state.controls:
+                data.attribution.record(now, control.key, not control.frozen)
+                state.order.append(control.key)
+            state.controls[control.key] = control
+        used = {c.key: self.meter.used(gpu, c.key, USED_WINDOW_S) for c in controls}
+        recent = {c.key: self.meter.used(gpu, c.key, ENTER_WINDOW_S) for c in controls}
+        active = {k for k, u in used.items() if u is not None and u >= ACTIVE_PERCENT}
+        for control in controls:
+            control.used = used[control.key] or 0.0
+            control.goal = self._target(control, active)
+            self._hold_or_release(gpu, control, recent[control.key], now)
+        held = set(data.accounts)
+        data.free = {c.key for c in controls if c.key not in held}
+        state.yielding = {
+            c.key
+            for c in controls
+            if c.key not in held
+            and held
+            and (c.key in active or self.meter.credited(gpu, c.key, CREDIT_WINDOW_S) or c.frozen)
+        }
+        for control in controls:
+            control.throttled = control.key in held
+            control.yielding = control.key in state.yielding
+            self._figures(gpu, control, now)
+        if held and state.next_decision == math.inf:
+            state.next_decision = now
+        over = data.attribution.drain_over
+        if state.waiting_for and all(over.get(k, -math.inf) >= at for k, at in state.waiting_for.items()):
+            state.waiting_for.clear()
+            state.next_decision = min(state.next_decision, now)  # the drains showed: go on
+        return [c for c in controls if c.key in held or c.key in state.yielding]
+
+    def _target(self, control: ContainerControl, active: set[str]) -> float | None:
+        spec = control.spec
+        if spec.ceiling is None:
+            return None
+        if spec.policy is Policy.BURST_SHARE:
+            contended = any(k != control.key for k in active)
+            return float(spec.cores if contended else spec.ceiling)
+        return float(spec.ceiling)
+
+    def _hold_or_release(self, gpu: int, control: ContainerControl, recent: float | None, now: float) -> None:
+        data = self.meter.gpus[gpu]
+        state = self._gpus[gpu]
+        key, goal = control.key, control.goal
+        account = data.accounts.get(key)
+        model = data.attribution.models.get(key)
+        idle = model is not None and model.idle
+        if goal is None or goal >= 100:
+            # A held container that is idle stays held whatever its target meanwhile (a
+            # burst-share one whose neighbours paused with it): they come back held.
+            if account is not None and not (idle and goal is not None):
+                self._release(gpu, key)
+            return
+        if account is None:
+            if recent is not None and recent > goal + HOLD_MARGIN_PP:
+                share = goal / 100
+                data.accounts[key] = Account(
+                    share, share * self.settings.cycle_s, data.attribution.replayed_to, now
+                )
+                state.next_decision = min(state.next_decision, now)
+            return
+        account.share = goal / 100
+        if model is not None and model.drains:
+            # A unit that started as it was thawed and runs on after the shortest thaw.
+            account.unit = model.drain_max_s + self.settings.min_thaw_s
+        quantum = account.quantum(self.settings)
+        if idle:  # it does not save up while it has nothing to run
+            account.balance = min(account.balance, IDLE_BALANCE_QUANTA * quantum)
+        full = IDLE_BALANCE_QUANTA * quantum if idle else account.bank(self.settings)
+        unspent = account.balance >= full - 1e-9
+        if unspent:
+            if now - state.full_since.setdefault(key, now) >= self._idle_hold_s:
+                self._release(gpu, key)  # it does not use what it earns: it needs less
+        else:
+            state.full_since.pop(key, None)
+
+    def _release(self, gpu: int, key: str) -> None:
+        state = self._gpus[gpu]
+        self.meter.gpus[gpu].accounts.pop(key, None)
+        state.full_since.pop(key, None)
+        state.pending = [p for p in state.pending if p[1] != key]
+        if state.turn is not None and state.turn.key == key:
+            state.next_decision = self._now()
+
+    def forget(self, gpu: int, key: str) -> None:
+        """The container is gone."""
+        if key in self._gpus[gpu].controls:
+            self._drop(gpu, key)
+        else:
+            self.meter.forget(gpu, key)
+
+    def _drop(self, gpu: int, key: str) -> None:
+        state = self._gpus[gpu]
+        self._release(gpu, key)
+        state.controls.pop(key, None)
+        state.yielding.discard(key)
+        state.thaws.pop(key, None)
+        if key in state.order:
+            state.order.remove(key)
+        self.meter.forget(gpu, key)
+
+    def reset(self, gpu: int) -> None:
+        """Its containers were released (stale readings): no turn runs until it is fresh."""
+        state = self._gpus[gpu]
+        state.pending.clear()
+        state.turn = None
+        state.cycle = None
+        state.next_decision = math.inf
+
+    # Between periods ----------------------------------------------------------------------------
+    def next_time(self) -> float:
+        """When something is due next (monotonic)."""
+        times = [s.next_decision for s in self._gpus.values()]
+        times += [s.pending[0][0] for s in self._gpus.values() if s.pending]
+        return min(times, default=math.inf)
+
+    def due(self, now: float) -> list[tuple[int, ContainerControl, bool]]:
+        """(GPU, container, thaw?) of every action due by ``now`` (a turn decided when its
+        time has come); the enforcer acts and reports back with :meth:`acted`."""
+        out = []
+        for gpu, state in self._gpus.items():
+            if state.next_decision <= now + SLOT_S:
+                self._decide(gpu, now)
+            while state.pending and state.pending[0][0] <= now + SLOT_S:
+                _, key, thaw = state.pending.pop(0)
+                control = state.controls.get(key)
+                if control is not None:
+                    out.append((gpu, control, thaw))
+        return out
+
+    def acted(self, gpu: int, control: ContainerControl, thawed: bool, at: float) -> None:
+        """The enforcer thawed (or froze) ``control`` at ``at``."""
+        state = self._gpus.get(gpu)
+        if state is None:
+            return
+        drain = None if thawed else state.expected.pop(control.key, None)
+        self.meter.gpus[gpu].attribution.record(at, control.key, thawed, drain)
+        thaws = state.thaws.setdefault(control.key, collections.deque())
+        if thawed:
+            thaws.append((at, math.inf))
+        elif thaws and thaws[-1][1] == math.inf:
+            thaws[-1] = (thaws[-1][0], at)
+
+    def _decide(self, gpu: int, now: float) -> None:
+        """The next turn, at ``now``: freeze whoever must not run in it, wait for their drains
+        to run out, thaw its owner (or the unheld containers) until its end."""
+        state = self._gpus[gpu]
+        data = self.meter.gpus[gpu]
+        state.turn = None
+        state.pending.clear()
+        state.waiting_for = {}
+        if not data.accounts:
+            state.next_decision = math.inf
+            state.pending = [(now, k, True) for k in sorted(state.yielding)]
+            return
+        predicted = data.attribution.project(now)
+        models = data.attribution.models
+        expected = {k: state.expected.get(k, models[k].drain_s) for k in data.accounts if k in models}
+        for key in data.accounts:  # thawed now, frozen by this decision unless its turn goes on
+            control = state.controls.get(key)
+            if control is not None and not control.frozen and key in expected:
+                predicted[key] = predicted.get(key, 0.0) + expected[key]
+        drains = {k: models[k].drain_s for k in data.accounts if k in models}
+        rates = {k: models[k].rate for k in data.accounts if k in models}
+        if state.cycle is None or now >= state.cycle.end - SLOT_S:
+            start = now if state.cycle is None else max(now, state.cycle.end)
+            state.cycle = Cycle(start, start + self.settings.cycle_s)
+        in_flight = {
+            k: at + models[k].drain_s for k, at in state.frozen_at.items() if k in models and k in data.accounts
+        }
+        for key in data.accounts:  # thawed now: frozen by this decision, its last unit runs on
+            control = state.controls.get(key)
+            if control is not None and not control.frozen and key in expected:
+                in_flight[key] = now + expected[key]
+        turn = next_turn(
+            now, data.accounts, predicted, drains, rates, self.settings, state.cycle, state.order, in_flight
+        )
+        owner = turn.key
+        stopping = [k for k in data.accounts if k != owner] + (sorted(state.yielding) if owner else [])
+        for key in stopping:
+            control = state.controls.get(key)
+            if control is not None and not control.frozen:
+                state.frozen_at[key] = now
+            state.pending.append((now, key, False))
+        starting = [owner] if owner is not None else sorted(state.yielding)
+        start = now + self._guard(gpu, now, set(starting))
+        for key in starting:
+            state.pending.append((start, key, True))
+        if owner is not None:
+            end = start + (turn.thaw_until - turn.start)
+            state.pending.append((end, owner, False))
+            if turn.drain is not None:
+                state.expected[owner] = turn.drain
+            data.accounts[owner].waiting_since = end
+            state.order.remove(owner)
+            state.order.append(owner)
+            state.next_decision = end
+
+        else:
+            state.next_decision = max(start, turn.next_decision)
+        state.turn = turn
+        state.pending.sort(key=lambda p: (p[0], p[2]))  # freezes first: one runs at a time
+
+    def _guard(self, gpu: int, now: float, starting: set[str]) -> float:
+        """How long to wait before thawing ``starting``: until the drains of the others frozen
+        lately have run out, as long as each one's drains were seen to run (its ``wait_s``).
+        After a container whose drain was never seen, until the device samples show it over
+        (``update`` decides again then), at most ``FIRST_DRAIN_WAIT_S``."""
+        state = self._gpus[gpu]
+        attribution = self.meter.gpus[gpu].attribution
+        models = attribution.models
+        if any(not c.frozen for k, c in state.controls.items() if k in starting):
+            return 0.0  # it runs already: the drains before it mix with its turn anyway
+        until = now
+        for key, at in list(state.frozen_at.items()):
+            model = models.get(key)
+            wait = model.wait_s if model is not None and model.wait_s is not None else None
+            seen_over = attribution.drain_over.get(key, -math.inf) >= at
+            if key in starting or seen_over or now - at >= (FIRST_DRAIN_WAIT_S if wait is None else wait):
+                del state.frozen_at[key]
+                continue
+            if wait is None:
+                state.waiting_for[key] = at
+                wait = FIRST_DRAIN_WAIT_S
+            until = max(until, at + wait)
+        return until - now
+
+    # Figures --------------------------------------------------------------------------------------
+    def _figures(self, gpu: int, control: ContainerControl, now: float) -> None:
+        """Duty (share of the recent time it was thawed), cycle (mean time between its turns),
+        drain, and whether its cap can be held at all."""
+        state = self._gpus[gpu]
+        thaws = state.thaws.get(control.key, collections.deque())
+        while thaws and thaws[0][1] < now - FIGURES_S:
+            thaws.popleft()
+        model = self.meter.gpus[gpu].attribution.models.get(control.key)
+        if model is not None:
+            control.state.drain_s = model.drain_s
+        if not control.throttled:
+            control.state.duty, control.cycle_s, control.unholdable = 1.0, 0.0, ""
+            return
+        since = now - FIGURES_S
+        thawed = sum(min(end, now) - max(start, since) for start, end in thaws if min(end, now) > since)
+        control.state.duty = min(1.0, thawed / FIGURES_S)
+        starts = [s for s, _e in thaws]
+        control.cycle_s = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else 0.0
+        control.unholdable = self._unholdable(control, model.drain_s if model is not None else 0.0)
+
+    def _unholdable(self, control: ContainerControl, unit_s: float) -> str:
+        """Why its cap cannot be held by freezing: the work that runs on after each freeze
+        needs a longer wait to be paid for than anybody is kept frozen."""
+        goal = control.goal
+        if goal is None or goal <= 0 or unit_s <= 0:
+            return ""
+        wait = unit_s * (100 / goal - 1)
+        if wait <= self.settings.max_wait_s:
+            return ""
+        return (
+            f"about {unit_s:.1f} s of GPU work runs on after every freeze (a deep queue, a long graph or "
+            f"step): a {goal:.0f} % share needs it frozen {wait:.0f} s after each turn and the freezer "
+            f"waits at most {self.settings.max_wait_s:.0f} s; MPS mode (sharingMode: mps) holds it, or "
+            "shorter kernels and more frequent syncs"
+        )

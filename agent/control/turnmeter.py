@@ -1,0 +1,260 @@
+"""Measuring what each container of a GPU ran, for the turns (:mod:`agent.control.turnloop`):
+device samples attributed through the agent's own record of whom it thawed when
+(:mod:`agent.domain.fluid`), and the held containers' accounts settled with it.
+
+Each control period the meter reads the GPU's new device samples (``nvmlDeviceGetSamples``:
+the busy percent of every sample period) and its per-process samples (``nvmlDeviceGetProcessUtilization``).
+The device samples carry the measurement: each is split between the containers the record
+says could have run then, and the split is each container's work. The per-process samples
+are used only where the record cannot decide: between unheld containers that ran together
+(they time-slice; the split follows what NVML credited each of them recently), and to tell
+whether an unheld container uses the GPU at all.
+
+Time here is the control loop's monotonic clock; device samples are stamped in wall time and
+converted with the clock's current offset.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from agent.clock import Clock
+from agent.control.usagemeter import STALE_AFTER_S, Pending, SampleSource, SubmittingSource, container_key
+from agent.domain.fluid import Attribution
+from agent.domain.turns import Account, TurnSettings
+from agent.errors import DeviceSamplesUnsupportedError, VcudaError
+from agent.platform.cgroups.paths import ContainerRef
+from agent.platform.gpu.inventory import DeviceSample, ProcessSample
+
+log = logging.getLogger(__name__)
+
+HISTORY_S = 30.0  # attributed work kept per container
+CREDIT_WINDOW_S = 2.0  # per-process credits this recent split unheld containers' work
+DEFAULT_PERIOD_S = 1 / 6  # the device sample period until two samples show it (NVML's shortest)
+
+
+@dataclass
+class GpuTurnsData:
+    """One GPU's measurements."""
+
+    attribution: Attribution[str]
+    accounts: dict[str, Account] = field(default_factory=dict)
+    work: dict[str, collections.deque[tuple[float, float]]] = field(default_factory=dict)  # (end, s)
+    busy: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)  # (end, s)
+    credits: collections.deque[tuple[float, str, float]] = field(default_factory=collections.deque)
+    device_since_us: int = 0
+    process_since_us: int = 0
+    last_stamp_s: float | None = None
+    gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
+    fresh_at: float = 0.0
+    last_error: str = ""
+    unsupported: str = ""  # the driver has no device samples here: the turns cannot run
+    free: set[str] = field(default_factory=set)  # unheld containers (their work is split by credits)
+
+    def typical_period(self) -> float:
+        """The device sample period: the median of the recent gaps between samples."""
+        if not self.gaps:
+            return DEFAULT_PERIOD_S
+        ordered = sorted(self.gaps)
+        return ordered[len(ordered) // 2]
+
+
+class TurnMeter:
+    """Device and per-process samples in, each container's work out (one control loop's)."""
+
+    def __init__(
+        self,
+        gpus: Sequence[int],
+        samples: SampleSource,
+        owner_of: Callable[[int], ContainerRef | None],
+        *,
+        settings: TurnSettings,
+        clock: Clock,
+        report: Callable[[int, str], None],
+        stale_after_s: float = STALE_AFTER_S,
+    ) -> None:
+        self._samples = samples
+        self._submitting = samples if isinstance(samples, SubmittingSource) else None
+        self._owner_of = owner_of
+        self._settings = settings
+        self._clock = clock
+        self._report = report
+        self._stale_after_s = stale_after_s
+        now = clock.monotonic()
+        self.gpus = {g: GpuTurnsData(Attribution(now), fresh_at=now) for g in gpus}
+        self._in_flight: dict[int, tuple[Pending[list[DeviceSample]], Pending[list[ProcessSample]]]] = {}
+        self.errors = 0
+
+    def _offset(self) -> float:
+        """Wall time minus monotonic time, now."""
+        return self._clock.wall() - self._clock.monotonic()
+
+    # Reading ------------------------------------------------------------------------------------
+    def read(self, gpus: Iterable[int], wait_s: float) -> None:
+        """Take in the new samples of ``gpus``. Against a backend whose reads run on per-GPU
+        workers, a read not done within ``wait_s`` is taken in at a later call."""
+        gpus = [g for g in gpus if not self.gpus[g].unsupported]
+        if self._submitting is None:
+            for gpu in gpus:
+                data = self.gpus[gpu]
+                try:
+                    device = self._samples.device_samples(gpu, data.device_since_us)
+                    processes = self._samples.process_samples(gpu, data.process_since_us)
+                except VcudaError as err:
+                    self._failed(gpu, err)
+                    continue
+                self._take(gpu, device, processes)
+            return
+        source = self._submitting
+        for gpu in gpus:
+            data = self.gpus[gpu]
+            if gpu in self._in_flight or source.degraded(gpu) is not None:
+                continue
+            try:
+                self._in_flight[gpu] = (
+                    source.submit_device_samples(gpu, data.device_since_us),
+                    source.submit_process_samples(gpu, data.process_since_us),
+                )
+            except VcudaError as err:
+                self._failed(gpu, err)
+        until = self._clock.monotonic() + wait_s
+        for gpu, (device_call, process_call) in list(self._in_flight.items()):
+            if not device_call.wait(until - self._clock.monotonic()):
+                continue
+            if not process_call.wait(until - self._clock.monotonic()):
+                continue
+            del self._in_flight[gpu]
+            try:
+                device, processes = device_call.result(), process_call.result()
+            except VcudaError as err:
+                self._failed(gpu, err)
+                continue
+            self._take(gpu, device, processes)
+
+    def _take(self, gpu: int, device: list[DeviceSample], processes: list[ProcessSample]) -> None:
+        data = self.gpus[gpu]
+        data.fresh_at = self._clock.monotonic()
+        data.last_error = ""
+        self._take_processes(gpu, data, processes)
+        self._take_device(data, device)
+
+    def _failed(self, gpu: int, err: VcudaError) -> None:
+        data = self.gpus[gpu]
+        if isinstance(err, DeviceSamplesUnsupportedError):
+            data.unsupported = str(err)
+            log.warning("GPU %d: %s: its caps are held by NVML's per-process samples instead", gpu, err)
+            return
+        self.errors += 1
+        data.last_error = str(err)
+        self._report(gpu, f"cannot read GPU {gpu} utilization: {err}")
+
+    def _take_processes(self, gpu: int, data: GpuTurnsData, samples: list[ProcessSample]) -> None:
+        offset = self._offset()
+        for s in samples:
+            data.process_since_us = max(data.process_since_us, s.timestamp_us)
+            key = self._key(s.pid)
+            if key is not None and s.sm_util > 0:
+                data.credits.append((s.timestamp_us / 1e6 - offset, key, float(s.sm_util)))
+        horizon = self._clock.monotonic() - HISTORY_S
+        while data.credits and data.credits[0][0] < horizon:
+            data.credits.popleft()
+
+    def _take_device(self, data: GpuTurnsData, samples: list[DeviceSample]) -> None:
+        """Device samples tile time: each covers the time since the one before (a longer gap,
+        samples lost, counts one typical period and leaves the rest unmeasured)."""
+        offset = self._offset()
+        for sample in sorted(samples, key=lambda s: s.timestamp_us):
+            if sample.timestamp_us <= data.device_since_us:
+                continue
+            data.device_since_us = sample.timestamp_us
+            end = sample.timestamp_us / 1e6 - offset
+            typical = data.typical_period()
+            period = typical if data.last_stamp_s is None else min(end - data.last_stamp_s, 1.5 * typical)
+            if data.last_stamp_s is not None and end > data.last_stamp_s:
+                data.gaps.append(end - data.last_stamp_s)
+            data.last_stamp_s = end
+            if period > 0:
+                self._attribute(data, end, period, float(sample.util))
+
+    def _attribute(self, data: GpuTurnsData, end: float, period: float, util: float) -> None:
+        work = data.attribution.take(end, period, util)
+        work = self._split_free(data, end, work)
+        data.busy.append((end, util / 100 * period))
+        for key, seconds in work.items():
+            data.work.setdefault(key, collections.deque()).append((end, seconds))
+        for key, account in data.accounts.items():
+            account.settle(end, work.get(key, 0.0), self._settings)
+        horizon = end - HISTORY_S
+        for history in (data.busy, *data.work.values()):
+            while history and history[0][0] < horizon:
+                history.popleft()
+
+    def _split_free(self, data: GpuTurnsData, end: float, work: dict[str, float]) -> dict[str, float]:
+        """Unheld containers that ran together time-sliced: split their work as NVML credited
+        them recently (the record says only that they were all thawed)."""
+        free = [k for k in work if k in data.free]
+        if len(free) < 2:
+            return work
+        credit = dict.fromkeys(free, 0.0)
+        for at, key, util in data.credits:
+            if key in credit and end - CREDIT_WINDOW_S <= at <= end + CREDIT_WINDOW_S:
+                credit[key] += util
+        total_credit = sum(credit.values())
+        if total_credit <= 0:
+            return work
+        pool = sum(work[k] for k in free)
+        return {**work, **{k: pool * credit[k] / total_credit for k in free}}
+
+    def _key(self, pid: int) -> str | None:
+        try:
+            ref = self._owner_of(pid)
+        except VcudaError as err:
+            log.debug("pid %d: %s", pid, err)
+            return None
+        return None if ref is None else container_key(ref.pod_uid, ref.container_id)
+
+    # Figures -------------------------------------------------------------------------------------
+    def used(self, gpu: int, key: str, window_s: float) -> float | None:
+        """The container's share of the GPU (percent) over the last ``window_s`` of measured
+        time; None before any device sample covered it."""
+        data = self.gpus[gpu]
+        if data.last_stamp_s is None:
+            return None
+        since = data.last_stamp_s - window_s
+        history = data.work.get(key, ())
+        return 100 * sum(s for end, s in history if end > since) / window_s
+
+    def credited(self, gpu: int, key: str, window_s: float) -> bool:
+        """Whether NVML credited the container with GPU use in the last ``window_s``."""
+        data = self.gpus[gpu]
+        since = self._clock.monotonic() - window_s
+        return any(k == key and at >= since for at, k, _u in data.credits)
+
+    def device_percent(self, gpu: int, window_s: float) -> float | None:
+        data = self.gpus[gpu]
+        if data.last_stamp_s is None:
+            return None
+        since = data.last_stamp_s - window_s
+        return 100 * sum(s for end, s in data.busy if end > since) / window_s
+
+    def stale(self, gpu: int) -> str | None:
+        """Why the GPU's figures cannot be acted on now (None: they can)."""
+        data = self.gpus[gpu]
+        if self._submitting is not None:
+            degraded = self._submitting.degraded(gpu)
+            if degraded is not None or gpu in self._in_flight:
+                return degraded  # a read under way is the backend's deadline to judge
+        age = self._clock.monotonic() - data.fresh_at
+        if age <= self._stale_after_s:
+            return None
+        return f"no utilization reading for {age:.1f} s" + (f" ({data.last_error})" if data.last_error else "")
+
+    def forget(self, gpu: int, key: str) -> None:
+        data = self.gpus[gpu]
+        data.attribution.forget(key)
+        data.accounts.pop(key, None)
+        data.work.pop(key, None)
+        data.free.discard(key)
