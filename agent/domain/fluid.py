@@ -144,7 +144,20 @@ class Attribution(Generic[K]):
             if any(o is not d and o.at < d.until and d.at < o.until for o in self._drains):
                 d.clean = False  # two drains at once: whose the busy time was is a guess
         self._learn(thawed_at_start, thawed_time, busy, end_s - start)
+        self._learn_idle(thawed_time, out, end_s - start)
         return {k: v for k, v in out.items() if v > EPS}
+
+    def _learn_idle(self, thawed_time: Mapping[K, float], credited: Mapping[K, float], span: float) -> None:
+        """Whether each container thawed for a good part of the period has work: credited
+        next to nothing for it, it has none (idle); half of it or more, it has."""
+        for key, seconds in thawed_time.items():
+            if seconds < 0.25 * span:
+                continue
+            ran = credited.get(key, 0.0)
+            if ran < QUIET * seconds:
+                self.model(key).idle = True
+            elif ran >= 0.5 * seconds / max(1, len(thawed_time)):
+                self.model(key).idle = False
 
     def _credit_drains(self, residual: float, draining: Mapping[K, float], out: dict[K, float]) -> None:
         """What the thawed containers did not run was drains: in proportion to what each was
@@ -242,11 +255,8 @@ class Attribution(Generic[K]):
             return
         ((key, seconds),) = thawed_time.items()
         model = self.model(key)
-        if seconds >= 0.25 * span and quiet:
-            model.idle = True
-            return
-        if busy >= 0.5 * seconds:
-            model.idle = False
+        if quiet:
+            return  # an idle stretch says nothing about how busy it keeps the GPU with work
         if key in thawed_at_start and seconds >= span - EPS and not self._drains:
             model.rate += LEARN * (min(1.0, busy / span) - model.rate)
 
