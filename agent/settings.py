@@ -125,12 +125,23 @@ class MemoryQuotaMode(enum.StrEnum):
     AUDIT = "audit"  # report only
 
 
+class Feedback(enum.StrEnum):
+    """What the compute-cap loop measures a container's use from."""
+
+    DEVICE = "device"  # turns: device samples attributed through the agent's own thaw record
+    NVML = "nvml"  # duty cycles on NVML's per-process samples (how it was before; to compare)
+
+
 @dataclass(frozen=True)
 class EnforcementSettings:
     """Compute caps and memory quotas: the duty-cycle controller and the memory guard (issue D)."""
 
     enabled: bool = True  # False: measure and report only, never freeze or kill
-    period_s: float = 0.25  # the control period: measure, update duties, act
+    period_s: float = 0.25  # the control period: measure, decide, act
+    feedback: Feedback = Feedback.DEVICE  # what a container's use is measured from (control/enforcer.py)
+    cycle_s: float = 0.5  # turns: the shortest cycle; each held container takes a turn in each
+    max_wait_s: float = 8.0  # turns: nobody held waits frozen longer for its next turn
+    # Duty cycles (--control-feedback nvml, and GPUs whose shares run under MPS):
     window_s: float = 1.0  # a container is measured over at least this much sample time
     gain: float = 0.7  # share of an error within 10 pp that one update corrects
     min_duty: float = 0.02  # never below: a capped container always makes some progress

@@ -217,6 +217,11 @@ class MpsSharing:
                 self._save()
 
     # Status ---------------------------------------------------------------------------------
+    def concurrent(self, gpu: int) -> bool:
+        """Whether shares of this GPU run as MPS clients (concurrently, not time-sliced)."""
+        with self._lock:
+            return any(g.gpu == gpu for g in self._grants.values())
+
     def grant(self, pod_uid: str, container: str) -> MpsGrant | None:
         with self._lock:
             return self._grants.get(_key(pod_uid, container))

@@ -20,6 +20,7 @@ from agent.control.enforcer import Enforcer
 from agent.control.mpssharing import GpuSharing, MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.dutycontrol import Gains
+from agent.domain.turns import TurnSettings
 from agent.domain.health import HealthBoard
 from agent.domain.specs import EnforcementSpec
 from agent.errors import VcudaError
@@ -93,6 +94,9 @@ class EnforcementIntegration:
                 max_cycle_s=settings.max_cycle_s,
                 idle_hold_s=settings.idle_hold_s,
             ),
+            turns=TurnSettings(cycle_s=settings.cycle_s, max_wait_s=settings.max_wait_s),
+            feedback=settings.feedback.value,
+            concurrent=sharing.concurrent if sharing is not None else lambda _gpu: False,
             clock=self._clock,
             enabled=settings.enabled,
         )

@@ -14,6 +14,7 @@ from agent.settings import (
     DeviceListStrategy,
     DraSettings,
     EnforcementSettings,
+    Feedback,
     GuardMode,
     MemoryQuotaMode,
     SharingMode,
@@ -204,11 +205,34 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         help=f"control period in seconds: measure, set duties, act (default {defaults.period_s})",
     )
     g.add_argument(
+        "--control-feedback",
+        choices=[f.value for f in Feedback],
+        default=defaults.feedback.value,
+        help="what a container's use is measured from: device (the GPU's own utilization samples, "
+        "attributed by whom the agent kept thawed when: turns; default) or nvml (NVML's per-process "
+        "samples: duty cycles, as before; to compare)",
+    )
+    g.add_argument(
+        "--control-cycle",
+        type=float,
+        default=defaults.cycle_s,
+        metavar="S",
+        help=f"turns: the shortest cycle, each held container takes a turn in each (default {defaults.cycle_s})",
+    )
+    g.add_argument(
+        "--control-max-wait",
+        type=float,
+        default=defaults.max_wait_s,
+        metavar="S",
+        help="turns: the longest a held container waits frozen for its next turn; work per submission "
+        f"too long to be paid for within it is reported as not holdable (default {defaults.max_wait_s})",
+    )
+    g.add_argument(
         "--control-window",
         type=float,
         default=defaults.window_s,
         metavar="S",
-        help="a container is measured over at least this many seconds of samples "
+        help="duty cycles: a container is measured over at least this many seconds of samples "
         f"(default {defaults.window_s})",
     )
     g.add_argument(
@@ -216,21 +240,22 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.gain,
         metavar="G",
-        help=f"share of an error within 10 pp one duty update corrects (default {defaults.gain})",
+        help=f"duty cycles: share of an error within 10 pp one duty update corrects (default {defaults.gain})",
     )
     g.add_argument(
         "--control-max-cycle",
         type=float,
         default=defaults.max_cycle_s,
         metavar="S",
-        help=f"longest duty cycle, for work that drains long after a freeze (default {defaults.max_cycle_s})",
+        help="duty cycles: the longest cycle, for work that drains long after a freeze "
+        f"(default {defaults.max_cycle_s})",
     )
     g.add_argument(
         "--control-idle-hold",
         type=float,
         default=defaults.idle_hold_s,
         metavar="S",
-        help=f"an idle throttled container keeps its duty this long (default {defaults.idle_hold_s})",
+        help=f"an idle held container stays held this long (default {defaults.idle_hold_s})",
     )
     g.add_argument(
         "--actuator",

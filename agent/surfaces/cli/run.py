@@ -25,6 +25,7 @@ from agent.settings import (
     DevicePluginSettings,
     DraSettings,
     EnforcementSettings,
+    Feedback,
     GuardMode,
     HealthSettings,
     KubeSettings,
@@ -125,6 +126,8 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
         ("--control-gain", args.control_gain, 0.05, 1.0),
         ("--control-max-cycle", args.control_max_cycle, 0.1, 10.0),
         ("--control-idle-hold", args.control_idle_hold, 0.0, 300.0),
+        ("--control-cycle", args.control_cycle, 0.05, 10.0),
+        ("--control-max-wait", args.control_max_wait, 0.5, 60.0),
     ):
         if not low <= value <= high:
             problems.append(f"{flag} {value}: must be between {low} and {high}")
@@ -135,6 +138,9 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
     return EnforcementSettings(
         enabled=not args.no_enforcement,
         period_s=args.control_period,
+        feedback=Feedback(args.control_feedback),
+        cycle_s=args.control_cycle,
+        max_wait_s=args.control_max_wait,
         window_s=args.control_window,
         gain=args.control_gain,
         max_cycle_s=args.control_max_cycle,
