@@ -13,9 +13,16 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.errors import GpuLostError, NoSuchGpuError, NvmlError, VcudaError
+from agent.errors import (
+    DeviceSamplesUnsupportedError,
+    GpuLostError,
+    NoSuchGpuError,
+    NvmlError,
+    VcudaError,
+)
 from agent.platform.gpu.inventory import (
     DeviceEvent,
+    DeviceSample,
     EventKind,
     GpuInfo,
     Link,
@@ -367,6 +374,89 @@ def test_other_nvml_errors_become_nvml_error(backend: NvmlBackend, fake: FakeNvm
     assert info.value.gpu_index == 0
     assert isinstance(info.value.__cause__, pynvml.NVMLError_NoPermission)
     assert backend.process_memory(0) == []  # the failure was one call only
+
+
+# --- device utilization samples (nvmlDeviceGetSamples) ---------------------------------------
+
+
+def test_device_samples_newer_than_since_with_their_values(backend: NvmlBackend, fake: FakeNvml) -> None:
+    fake.set_utilization_samples(0, [100_000, 200_000, 300_000], [40, 100, 0])
+    assert backend.device_samples(0, 0) == [
+        DeviceSample(100_000, 40),
+        DeviceSample(200_000, 100),
+        DeviceSample(300_000, 0),
+    ]
+    assert backend.device_samples(0, 100_000) == [DeviceSample(200_000, 100), DeviceSample(300_000, 0)]
+    assert backend.device_samples(0, 299_999) == [DeviceSample(300_000, 0)]
+    assert backend.device_samples(0, 300_000) == []  # NVML_ERROR_NOT_FOUND: nothing new
+    assert backend.device_samples(1, 0) == []  # no samples at all
+    assert fake.call_counts["nvmlDeviceGetSamples"] == 5
+
+
+def test_device_samples_come_back_in_time_order_once_each_and_within_100(
+    backend: NvmlBackend, fake: FakeNvml
+) -> None:
+    """The driver's buffer is a ring, read from wherever it wraps; a timestamp read twice
+    is one sample (the later read), and no utilization exceeds 100 %."""
+    fake.set_utilization_samples(2, [300, 100, 200, 200, 400], [30, 10, 20, 25, 120])
+    assert backend.device_samples(2, 0) == [
+        DeviceSample(100, 10),
+        DeviceSample(200, 25),
+        DeviceSample(300, 30),
+        DeviceSample(400, 100),
+    ]
+    assert backend.device_samples(2, 250) == [DeviceSample(300, 30), DeviceSample(400, 100)]
+
+
+def test_device_samples_without_values_read_the_current_utilization(
+    backend: NvmlBackend, fake: FakeNvml
+) -> None:
+    fake.set_utilization(3, gpu=55)
+    fake.set_utilization_samples(3, [10, 20])
+    assert backend.device_samples(3, 0) == [DeviceSample(10, 55), DeviceSample(20, 55)]
+    with pytest.raises(ValueError, match="1 values for 2 timestamps"):
+        fake.set_utilization_samples(3, [10, 20], [1])
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND])
+def test_device_samples_the_driver_does_not_keep_are_unsupported(
+    backend: NvmlBackend, fake: FakeNvml, code: int
+) -> None:
+    fake.set_utilization_samples(1, [100_000], [70])
+    fake.fail_call("nvmlDeviceGetSamples", code, 1)
+    with pytest.raises(DeviceSamplesUnsupportedError, match=r"^GPU 1: nvmlDeviceGetSamples: ") as info:
+        backend.device_samples(1, 0)
+    assert not isinstance(info.value, NvmlError)
+    assert isinstance(info.value.__cause__, pynvml.NVMLError)
+    assert info.value.__cause__.value == code
+    assert backend.device_samples(1, 0) == [DeviceSample(100_000, 70)]  # the failure was one call
+
+
+def test_device_samples_other_errors(backend: NvmlBackend, fake: FakeNvml) -> None:
+    fake.set_utilization_samples(0, [100_000], [70])
+    fake.fail_call("nvmlDeviceGetSamples", pynvml.NVML_SUCCESS, 0)  # pynvml: the sizing call found none
+    assert backend.device_samples(0, 0) == []
+    fake.fail_call("nvmlDeviceGetSamples", pynvml.NVML_ERROR_NO_PERMISSION, 0)
+    with pytest.raises(NvmlError) as info:
+        backend.device_samples(0, 0)
+    assert type(info.value) is NvmlError
+    assert (info.value.code, info.value.gpu_index) == (pynvml.NVML_ERROR_NO_PERMISSION, 0)
+    fake.lose(0)
+    with pytest.raises(GpuLostError):
+        backend.device_samples(0, 0)
+    assert [(e.gpu_index, e.kind) for e in backend.wait_events(1.0)] == [(0, EventKind.LOST)]
+
+
+def test_the_sample_period_is_the_median_gap_between_device_samples(
+    backend: NvmlBackend, fake: FakeNvml
+) -> None:
+    fake.set_utilization_samples(0, [166_666, 333_333, 500_000, 666_666, 1_000_000])
+    assert backend.sample_period_s(0) == 0.166667  # gaps 166667, 166667, 166666, 333334
+    assert backend.sample_period_s(1) is None  # no samples: NOT_FOUND
+    fake.set_utilization_samples(2, [5])
+    assert backend.sample_period_s(2) is None  # one sample: no gap
+    fake.fail_call("nvmlDeviceGetSamples", pynvml.NVML_ERROR_NOT_SUPPORTED, 3)
+    assert backend.sample_period_s(3) is None
 
 
 @pytest.mark.parametrize("index", [-1, 4, 99])

@@ -31,6 +31,7 @@ class ContainerControl:
     cycle_s: float = 0.0  # its GPU's duty cycle (turns: the mean time between its turns) while held
     yielding: bool = False  # not held, but frozen during held containers' turns (turns)
     unholdable: str = ""  # why its cap cannot be held by freezing (turns), for status and an Event
+    told_unholdable: bool = False  # the listeners heard of this episode
 
 
 @dataclass(frozen=True)

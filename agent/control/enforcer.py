@@ -100,6 +100,8 @@ class Enforcer:
         self.stats = EnforcerStats()
         # (container label, action, detail) when a container starts or stops being throttled
         self.on_action: list[Callable[[str, str, str], object]] = []
+        # (spec, why) once when a held container's cap turns out not holdable by freezing
+        self.on_unholdable: list[Callable[[EnforcementSpec, str], object]] = []
 
     def uses_turns(self, gpu: int) -> bool:
         """Whether the GPU is held by turns (else by duty cycles on NVML's samples)."""
@@ -196,16 +198,31 @@ class Enforcer:
                     continue
                 acted = self.turns.update(gpu, controls) if turns else self.duty.control(gpu, controls)
                 acting = {c.key for c in acted}
+                turn_held = self.turns.held(gpu) if turns else acting
                 held = throttled[gpu] = []
                 for control in controls:
                     if control.key in acting and self._ensure_target(control):
-                        if turns and control.yielding and not control.throttled:
+                        if control.key not in turn_held:  # yields to the held ones' turns
+                            self._mark(control, False)
                             continue
                         held.append(control)
                         self._mark(control, True)
                     else:
                         self._release(control, gpu)
+                    self._tell_unholdable(control)
         return {g: c for g, c in throttled.items() if g not in turn_gpus}
+
+    def _tell_unholdable(self, control: ContainerControl) -> None:
+        """Once per episode: the cap of a held container cannot be held by freezing."""
+        if control.unholdable and control.throttled and not control.told_unholdable:
+            control.told_unholdable = True
+            log.warning("%s: its cap cannot be held by freezing: %s", control.spec.label, control.unholdable)
+            for listener in self.on_action:
+                listener(control.spec.label, "unholdable", control.unholdable)
+            for tell in self.on_unholdable:
+                tell(control.spec, control.unholdable)
+        elif not control.unholdable:
+            control.told_unholdable = False
 
     def _view(self, gpu: int, turns: bool, stale: str | None) -> GpuView:
         if not turns:

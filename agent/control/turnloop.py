@@ -112,9 +112,8 @@ class TurnLoop:
             and (c.key in active or self.meter.credited(gpu, c.key, CREDIT_WINDOW_S) or c.frozen)
         }
         for control in controls:
-            control.throttled = control.key in held
             control.yielding = control.key in state.yielding
-            self._figures(gpu, control, now)
+            self._figures(gpu, control, control.key in held, now)
         if held and state.next_decision == math.inf:
             state.next_decision = now
         over = data.attribution.drain_over
@@ -320,7 +319,11 @@ class TurnLoop:
         return until - now
 
     # Figures --------------------------------------------------------------------------------------
-    def _figures(self, gpu: int, control: ContainerControl, now: float) -> None:
+    def held(self, gpu: int) -> set[str]:
+        """The keys of the containers held on ``gpu`` (the rest of those acted on yield)."""
+        return set(self.meter.gpus[gpu].accounts)
+
+    def _figures(self, gpu: int, control: ContainerControl, held: bool, now: float) -> None:
         """Duty (share of the recent time it was thawed), cycle (mean time between its turns),
         drain, and whether its cap can be held at all."""
         state = self._gpus[gpu]
@@ -330,17 +333,22 @@ class TurnLoop:
         model = self.meter.gpus[gpu].attribution.models.get(control.key)
         if model is not None:
             control.state.drain_s = model.drain_s
-        if not control.throttled:
+        if not held:
             control.state.duty, control.cycle_s, control.unholdable = 1.0, 0.0, ""
             return
-        since = now - FIGURES_S
+        since = max(now - FIGURES_S, thaws[0][0]) if thaws else now - FIGURES_S
         thawed = sum(min(end, now) - max(start, since) for start, end in thaws if min(end, now) > since)
-        control.state.duty = min(1.0, thawed / FIGURES_S)
+        control.state.duty = min(1.0, thawed / max(now - since, 1e-9))
         starts = [s for s, _e in thaws]
         control.cycle_s = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else 0.0
-        control.unholdable = self._unholdable(control, model.drain_s if model is not None else 0.0)
+        if model is None:
+            control.unholdable = ""
+        elif model.runs_on_s > model.drain_s:
+            control.unholdable = self._unholdable(control, model.runs_on_s, "at least")
+        else:
+            control.unholdable = self._unholdable(control, model.drain_s, "about")
 
-    def _unholdable(self, control: ContainerControl, unit_s: float) -> str:
+    def _unholdable(self, control: ContainerControl, unit_s: float, about: str) -> str:
         """Why its cap cannot be held by freezing: the work that runs on after each freeze
         needs a longer wait to be paid for than anybody is kept frozen."""
         goal = control.goal
@@ -350,7 +358,7 @@ class TurnLoop:
         if wait <= self.settings.max_wait_s:
             return ""
         return (
-            f"about {unit_s:.1f} s of GPU work runs on after every freeze (a deep queue, a long graph or "
+            f"{about} {unit_s:.1f} s of GPU work runs on after every freeze (a deep queue, a long graph or "
             f"step): a {goal:.0f} % share needs it frozen {wait:.0f} s after each turn and the freezer "
             f"waits at most {self.settings.max_wait_s:.0f} s; MPS mode (sharingMode: mps) holds it, or "
             "shorter kernels and more frequent syncs"

@@ -53,6 +53,7 @@ class Demand:
     drains: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=DRAINS_KEPT))
     idle: bool = False  # the last stretch it ran alone, it had no work
     wait_s: float | None = None  # how long nobody else runs after its freeze (None: until seen)
+    runs_on_s: float = 0.0  # the last drain seen to fill its wait: at least this long (0: none)
 
     def observe_drain(self, seconds: float, waited_s: float | None = None) -> None:
         """A drain seen alone, after a wait of ``waited_s`` (None: it ran out with nobody
@@ -60,7 +61,9 @@ class Demand:
         measurement, and the next wait is longer."""
         if waited_s is not None and seconds >= TRUNCATED * waited_s:
             self.wait_s = min(MAX_WAIT_S, WAIT_GROWTH * max(waited_s, self.wait_s or 0.0))
+            self.runs_on_s = seconds
             return
+        self.runs_on_s = 0.0
         self.drains.append(seconds)
         ordered = sorted(self.drains)
         self.drain_s = sum(ordered) / len(ordered)

@@ -48,6 +48,8 @@ from agent.surfaces.statusview import (
 
 log = logging.getLogger(__name__)
 
+UNHOLDABLE_REASON = "GPUShareNotHoldable"
+
 
 class EnforcementIntegration:
     def __init__(
@@ -101,6 +103,7 @@ class EnforcementIntegration:
             enabled=settings.enabled,
         )
         self.enforcer.on_action.append(self.actions.record)
+        self.enforcer.on_unholdable.append(self._unholdable_event)
         self.memory = MemoryIntegration(
             settings,
             backend=backend,
@@ -112,6 +115,12 @@ class EnforcementIntegration:
         )
         self.watchdog: WatchdogHandle | None = None
         self.status_server = StatusServer(settings.status_socket, self.status)
+
+    def _unholdable_event(self, spec: EnforcementSpec, why: str) -> None:
+        """A Warning Event on the pod whose cap the freezer cannot hold (it queues; never blocks)."""
+        pod = self._kube.pods.get(spec.pod_uid)
+        if pod is not None:
+            self._kube.events.pod(pod, UNHOLDABLE_REASON, f"container {spec.container}: {why}")
 
     def locate(self, spec: EnforcementSpec) -> ThrottleTarget | None:
         """The container's freezer directory: its v2 scope when there is a v2 hierarchy (the
@@ -240,6 +249,7 @@ class EnforcementIntegration:
             compute_held_by=self.compute_holder(control),
             memory_held_by=self.memory_holder(spec),
             problem=control.problem,
+            unholdable=control.unholdable,
         )
 
     def compute_holder(self, control: ContainerControl) -> tuple[str, str]:

@@ -119,6 +119,7 @@ class ContainerStatus(TypedDict):
     memoryHeldBy: str
     memoryDetail: str
     problem: str | None
+    unholdable: str | None  # why its cap cannot be held by freezing (None: it can, or not held)
 
 
 class MpsDaemonInfo(TypedDict):
@@ -217,6 +218,7 @@ def container_status(
     compute_held_by: tuple[str, str] = ("freezer", ""),
     memory_held_by: tuple[str, str] = ("kill", ""),
     problem: str | None = None,
+    unholdable: str | None = None,
 ) -> ContainerStatus:
     """A container on one GPU; for ``whole`` GPUs the control fields are forced to null."""
     if whole:
@@ -244,6 +246,7 @@ def container_status(
         memoryHeldBy=memory_held_by[0],
         memoryDetail=memory_held_by[1],
         problem=problem or None,
+        unholdable=unholdable or None,
     )
 
 

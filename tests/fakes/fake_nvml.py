@@ -76,6 +76,7 @@ class _Device:
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
     utilization: tuple[int, int] = (0, 0)
     utilization_stamps: list[int] = field(default_factory=list)  # µs of device utilization samples
+    utilization_values: list[int] | None = None  # their values (None: utilization[0] for each)
 
 
 @dataclass
@@ -204,10 +205,16 @@ class FakeNvml(types.ModuleType):
         with self._cond:
             self._devices[index].utilization = (gpu, memory)
 
-    def set_utilization_samples(self, index: int, stamps_us: Sequence[int]) -> None:
-        """Timestamps of the device's utilization samples (nvmlDeviceGetSamples)."""
+    def set_utilization_samples(
+        self, index: int, stamps_us: Sequence[int], values: Sequence[int] | None = None
+    ) -> None:
+        """Timestamps of the device's utilization samples (nvmlDeviceGetSamples) and, one per
+        timestamp, their values (None: the device's current ``set_utilization`` for each)."""
+        if values is not None and len(values) != len(stamps_us):
+            raise ValueError(f"{len(values)} values for {len(stamps_us)} timestamps")
         with self._cond:
             self._devices[index].utilization_stamps = list(stamps_us)
+            self._devices[index].utilization_values = None if values is None else list(values)
 
     @property
     def live_event_sets(self) -> int:
@@ -496,14 +503,15 @@ class FakeNvml(types.ModuleType):
             device = self._device("nvmlDeviceGetSamples", handle)[1]
             if samplingType != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
                 raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-            stamps = [t for t in device.utilization_stamps if t > timeStamp]
-            if not stamps:
+            values = device.utilization_values or [device.utilization[0]] * len(device.utilization_stamps)
+            newer = [(t, v) for t, v in zip(device.utilization_stamps, values, strict=True) if t > timeStamp]
+            if not newer:
                 raise _error(pynvml.NVML_ERROR_NOT_FOUND)
-            samples = (pynvml.c_nvmlSample_t * len(stamps))()
-            for sample, stamp in zip(samples, stamps, strict=True):
+            samples = (pynvml.c_nvmlSample_t * len(newer))()
+            for sample, (stamp, value) in zip(samples, newer, strict=True):
                 sample.timeStamp = stamp
-                sample.sampleValue.uiVal = device.utilization[0]
-            return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, list(samples[0 : len(stamps)])
+                sample.sampleValue.uiVal = value
+            return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, list(samples[0 : len(newer)])
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> pynvml.c_nvmlUtilization_t:
         with self._cond:

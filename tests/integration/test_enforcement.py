@@ -99,7 +99,8 @@ def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
         True,
     )
     assert 0.2 < row["duty"] < 0.6
-    assert row["cycleSeconds"] in (0.25, 0.5, 1.0, 2.0)  # its GPU's duty cycle, 1 to 8 periods
+    assert 0.25 <= row["cycleSeconds"] <= 2.0  # the mean time between its turns
+    assert row["unholdable"] is None
     assert any(
         a["action"] == "throttled" and a["container"] == "default/shown/c" for a in doc["recentActions"]
     )
@@ -112,7 +113,8 @@ def test_status_shows_the_throttled_container(rig: EnforcedNode) -> None:
 
     mine = 'container="c",gpu="0",namespace="default",node="sim-node",pod="shown"'
     assert 0.2 < sample("vcuda_container_throttle_duty_ratio", mine) < 0.6
-    assert sample("vcuda_container_throttle_cycle_seconds", mine) in (0.25, 0.5, 1.0, 2.0)
+    assert 0.25 <= sample("vcuda_container_throttle_cycle_seconds", mine) <= 2.0
+    assert sample("vcuda_container_share_unholdable", mine) == 0
     assert 0.3 < sample("vcuda_container_gpu_utilization_ratio", mine) < 0.5
     assert sample("vcuda_container_frozen_seconds_total", mine) > 0.5
     assert sample("vcuda_control_loop_duration_seconds_count", 'node="sim-node"') > 8
@@ -129,7 +131,8 @@ def test_sigkilled_agent_leaves_nothing_frozen_and_a_restart_resumes(rig: Enforc
     wait_for(lambda: not any(frozen(b.cgroup) for b in boxes), 1.0, "every container thawed")
     assert time.monotonic() - killed <= 1.0
     used = rig.utilization(boxes, 2)
-    assert sum(used) >= 90, f"unthrottled, the three share the GPU: {used}"
+    # Unthrottled, the three time-slice the GPU (less the context switches between them).
+    assert all(u > 25 for u in used), f"each over its cap of 20: {used}"
     rig.start_agent()
     time.sleep(SETTLE_S + 2)
     used = rig.utilization(boxes, 6)

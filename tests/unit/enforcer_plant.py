@@ -46,7 +46,10 @@ def spec(
 class Rig:
     """One simulated GPU, its containers' programs and an enforcer, all in virtual time."""
 
-    def __init__(self, config: EngineConfig | None = None, gains: Gains | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, gains: Gains | None = None, feedback: str = "device"
+    ) -> None:
+        """``feedback``: "device" (turns, the default) or "nvml" (the legacy duty cycles)."""
         self.clock = VirtualClock()
         self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
         self.specs: list[EnforcementSpec] = []
@@ -60,11 +63,14 @@ class Rig:
             actuator=self.gpu,
             period_s=PERIOD,
             gains=gains,
+            feedback=feedback,
             clock=self.clock,
         )
         self.start = self.clock.monotonic()
         self._times: list[float] = []
         self._ran: list[dict[str, float]] = []
+        self.actions: list[tuple[str, str, str]] = []
+        self.enforcer.on_action.append(lambda *action: self.actions.append(action))
 
     def add(self, name: str, pattern: PatternSpec, item: EnforcementSpec) -> None:
         self.stats[name] = WorkloadStats()

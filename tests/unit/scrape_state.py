@@ -84,10 +84,13 @@ def _controls() -> list[ContainerControl]:
         (4.75, 5.0, 0.123456789, 0.001, 7),
     ]
     specs = [s for s in SPECS if s.container_id]
-    return [
+    controls = [
         ContainerControl(spec=s, key=s.label, state=DutyState(duty=d), used=u, goal=g, frozen_s=f, freezes=n)
         for s, (u, g, d, f, n) in zip(specs, values, strict=True)
     ]
+    held = controls[2]  # a deep queue the freezer cannot hold
+    held.throttled, held.cycle_s, held.unholdable = True, 0.5, "at least 8.0 s of GPU work runs on"
+    return controls
 
 
 def _tracer_snapshot() -> IoctlSnapshot:

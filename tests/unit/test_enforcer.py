@@ -96,29 +96,53 @@ def test_best_effort_and_whole_gpus_are_never_frozen(item: EnforcementSpec) -> N
     assert rig.mean("a", 1, 4) >= 99
 
 
-def test_queued_work_of_a_frozen_burn_keeps_the_gpu_busy() -> None:
+def test_queued_work_of_a_frozen_burn_is_reported_as_unholdable() -> None:
     # The physics a freezer cannot beat: a queue of seconds of long kernels, refilled in
-    # every thawed slice. The controller pins the duty at its minimum and the longest
-    # cycle; the use stays far over the cap (the MPS actuator is for this).
+    # every turn. The use stays far over the cap; the loop says so, once, and why (the MPS
+    # actuator is for this).
     rig = Rig()
+    rig.add("a", PatternSpec("burn"), spec("a", 30))
+    rig.run_for(20)
+    control = rig.control("a")
+    assert rig.mean("a", 10, 10) > 90
+    assert rig.gpu.containers["a"].freezes  # it was frozen, to no avail
+    assert control.throttled and "runs on after every freeze" in control.unholdable
+    assert "sharingMode: mps" in control.unholdable
+    told = [a for a in rig.actions if a[1] == "unholdable"]
+    assert len(told) == 1 and "runs on after every freeze" in told[0][2]
+
+
+def test_a_burn_under_duty_cycles_pins_the_duty_at_its_minimum() -> None:
+    # The legacy loop (--control-feedback nvml, also MPS GPUs) on the same queue: minimum
+    # duty, the longest cycle, and the use still far over the cap.
+    rig = Rig(EngineConfig.ideal(), feedback="nvml")
     rig.add("a", PatternSpec("burn"), spec("a", 30))
     rig.run_for(20)
     control = rig.control("a")
     assert control.state.duty == pytest.approx(rig.enforcer.gains.min_duty)
     assert control.cycle_s == pytest.approx(rig.enforcer.gains.max_cycle_s)
     assert rig.mean("a", 10, 10) > 90
-    assert rig.gpu.containers["a"].freezes  # it was frozen, to no avail
 
 
-def test_long_steps_earn_a_longer_cycle() -> None:
-    # Steps of 20 x 20 ms: a whole 0.4 s step drains after every freeze, so a 1 s cycle
-    # runs 40 % whatever the duty. The cycle doubles to 2 s, where one or two steps per
-    # cycle (20 % or 40 %) are possible: the duty moves between them and the mean holds.
+def test_long_steps_are_held_by_whole_steps() -> None:
+    # Steps of 20 x 20 ms: a whole 0.4 s step drains after every freeze. Turns learn the
+    # drain and pay for it with the wait after it, so the mean holds; no cap is unholdable.
     rig = Rig()
+    rig.add("a", PatternSpec("train", kernel_ms=20), spec("a", 30))
+    rig.run_for(60)
+    control = rig.control("a")
+    assert control.state.drain_s is not None and control.state.drain_s > 0.02
+    assert control.unholdable == ""
+    assert rig.mean("a", 20, 40) == pytest.approx(30, abs=3)
+
+
+def test_long_steps_under_duty_cycles_earn_a_longer_cycle() -> None:
+    # The legacy loop: a 1 s cycle runs 40 % whatever the duty; the cycle doubles to 2 s,
+    # where one or two steps per cycle (20 % or 40 %) are possible, and the mean holds.
+    rig = Rig(EngineConfig.ideal(), feedback="nvml")
     rig.add("a", PatternSpec("train", kernel_ms=20), spec("a", 30))
     rig.run_for(90)
     assert rig.control("a").cycle_s == pytest.approx(rig.enforcer.gains.max_cycle_s)
-    assert rig.control("a").state.drain_s is not None
     assert rig.mean("a", 45, 45) == pytest.approx(30, abs=3)
 
 
@@ -164,18 +188,19 @@ def test_a_failed_thaw_is_retried_at_the_next_period() -> None:
     assert not rig.gpu.frozen("a")
 
 
-def test_an_idle_throttled_container_keeps_its_duty_then_is_released() -> None:
-    # An idle GPU sends no per-process samples at all: that silence must read as idleness.
+def test_an_idle_held_container_stays_held_then_is_released() -> None:
+    # An idle GPU sends device samples of 0 % and no per-process samples at all: that must
+    # read as idleness, and a pause between bursts must not lose the hold.
     rig = Rig()
     rig.add("a", PatternSpec("bursty", on_s=8, off_s=30), spec("a", 30))
     rig.run_for(8)
-    duty = rig.control("a").state.duty
-    assert rig.control("a").throttled and duty < 0.5
-    rig.run_for(3)  # idle, within the hold: a pause between bursts keeps its duty
-    assert rig.control("a").state.duty == duty
+    assert rig.control("a").throttled and rig.control("a").state.duty < 0.5
+    rig.run_for(3)  # idle, within the hold
+    assert rig.control("a").throttled
     rig.run_for(6)  # idle longer than the hold: released
     control = rig.control("a")
     assert (control.throttled, control.state.duty, rig.gpu.frozen("a")) == (False, 1.0, False)
+    assert [a[1] for a in rig.actions] == ["throttled", "released"]
 
 
 def test_a_gpu_whose_readings_fail_has_its_containers_released_until_they_return() -> None:

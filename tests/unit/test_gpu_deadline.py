@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
-from agent.errors import GpuError, GpuHungError, NvmlError
+from agent.errors import DeviceSamplesUnsupportedError, GpuError, GpuHungError, NvmlError
 from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import (
+    CALL_DEVICE_SAMPLES,
     CALL_PROCESS_MEMORY,
     CALL_PROCESS_SAMPLES,
     DeviceEvent,
+    DeviceSample,
     GpuInfo,
     ProcessMemory,
     ProcessSample,
@@ -29,6 +31,7 @@ from tests.fakes.fake_nvml import FakeGpu, FakeNvml
 
 DEADLINE_S = 0.3
 SAMPLE = ProcessSample(pid=42, timestamp_us=1_000, sm_util=30)
+DEVICE_SAMPLE = DeviceSample(timestamp_us=1_000, util=80)
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -49,6 +52,7 @@ class HeldBackend:
             event.set()
         self.fail_with: Exception | None = None
         self.closed = False
+        self.device_calls: list[tuple[int, int]] = []  # (index, since_us) of device_samples
 
     def hold(self, index: int) -> None:
         self._free[index].clear()
@@ -90,6 +94,11 @@ class HeldBackend:
     def sample_period_s(self, index: int) -> float | None:
         self._enter(index)
         return 0.1
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        self._enter(index)
+        self.device_calls.append((index, since_us))
+        return [DEVICE_SAMPLE]
 
     def mps_control_command(self) -> list[str]:
         return []
@@ -220,6 +229,83 @@ def test_nvml_backend_call_that_hangs_names_the_nvml_function(tmp_path: Path) ->
         free.set()
         assert wait_until(lambda: guarded.degraded(1) is None)
         assert guarded.process_memory(1) == []
+    finally:
+        free.set()
+        guarded.close()
+
+
+def test_device_samples_pass_through_and_a_hung_one_degrades_its_gpu(
+    held: HeldBackend, guarded: GuardedBackend
+) -> None:
+    assert guarded.device_samples(0, 500) == [DEVICE_SAMPLE]
+    assert held.device_calls == [(0, 500)]
+    held.hold(1)
+    started = time.monotonic()
+    with pytest.raises(GpuHungError) as hung:
+        guarded.device_samples(1, 700)
+    assert DEADLINE_S <= time.monotonic() - started < DEADLINE_S + 0.5
+    assert (hung.value.gpu_index, hung.value.call) == (1, CALL_DEVICE_SAMPLES)
+    assert guarded.degraded(1) == f"{CALL_DEVICE_SAMPLES} did not return within {DEADLINE_S:g} s"
+    assert guarded.degraded(0) is None
+    started = time.monotonic()
+    for call in (lambda: guarded.process_samples(1, 0), lambda: guarded.device_samples(1, 0)):
+        with pytest.raises(GpuHungError, match=CALL_DEVICE_SAMPLES):
+            call()
+    assert time.monotonic() - started < DEADLINE_S, "a call waited behind the stuck one"
+    assert guarded.device_samples(0, 0) == [DEVICE_SAMPLE]  # the other GPU answers
+    assert guarded.call_timeouts() == {(1, CALL_DEVICE_SAMPLES): 1}
+    held.let_go(1)
+    assert wait_until(lambda: guarded.degraded(1) is None), "the GPU did not recover"
+    assert guarded.device_samples(1, 900) == [DEVICE_SAMPLE]
+    assert held.device_calls == [(0, 500), (0, 0), (1, 700), (1, 900)]  # the stuck call, then the new
+
+
+def test_submitted_device_samples_are_collected_when_done(held: HeldBackend, guarded: GuardedBackend) -> None:
+    held.hold(0)
+    pending = guarded.submit_device_samples(0, 42)
+    assert not pending.wait(0.05) and not pending.done()
+    with pytest.raises(GpuError, match="nvmlDeviceGetSamples has not returned yet"):
+        pending.result()
+    held.let_go(0)
+    assert pending.wait(5)
+    assert pending.result() == [DEVICE_SAMPLE]
+    assert held.device_calls == [(0, 42)]
+
+
+def test_unsupported_device_samples_raise_in_the_callers_thread_without_degrading(
+    held: HeldBackend, guarded: GuardedBackend
+) -> None:
+    held.fail_with = DeviceSamplesUnsupportedError("GPU 0: nvmlDeviceGetSamples: Not Supported")
+    with pytest.raises(DeviceSamplesUnsupportedError, match="Not Supported"):
+        guarded.device_samples(0, 0)
+    pending = guarded.submit_device_samples(0, 0)
+    assert pending.wait(5)
+    with pytest.raises(DeviceSamplesUnsupportedError):
+        pending.result()
+    assert guarded.degraded(0) is None and guarded.call_timeouts() == {}
+
+
+def test_nvml_device_samples_that_hang_name_nvml_get_samples(tmp_path: Path) -> None:
+    fake = FakeNvml([FakeGpu(uuid=f"GPU-{i}", bus_id=f"00000000:0{i}:00.0", minor=i) for i in (0, 1)])
+    fake.set_utilization_samples(1, [100, 200], [30, 60])
+    free = threading.Event()
+    real = fake.nvmlDeviceGetSamples
+
+    def hangs(handle: Any, samplingType: int, timeStamp: int) -> tuple[int, list[Any]]:
+        free.wait(30)
+        return real(handle, samplingType, timeStamp)
+
+    guarded = GuardedBackend(open_nvml_backend(fake, sysfs_root=tmp_path), deadline_s=DEADLINE_S)
+    try:
+        fake.nvmlDeviceGetSamples = hangs  # type: ignore[method-assign]
+        with pytest.raises(GpuHungError) as hung:
+            guarded.device_samples(1, 0)
+        assert hung.value.call == CALL_DEVICE_SAMPLES
+        assert guarded.degraded(1) == f"{CALL_DEVICE_SAMPLES} did not return within {DEADLINE_S:g} s"
+        assert guarded.device_utilization(0) == 0  # GPU 0's calls still answer
+        free.set()
+        assert wait_until(lambda: guarded.degraded(1) is None)
+        assert guarded.device_samples(1, 100) == [DeviceSample(200, 60)]
     finally:
         free.set()
         guarded.close()

@@ -131,6 +131,7 @@ def workload_main(args: argparse.Namespace) -> int:
         grow_to_mib=args.grow_to_mib,
         grow_after_s=args.grow_after,
         driver_ioctls=args.driver_ioctls,
+        progress=Path(args.progress) if args.progress else None,
     )
     try:
         stats = run_workload(Path(args.sim_state_dir), spec, stop)
@@ -296,6 +297,12 @@ def add_parsers(
     )
     p.add_argument(
         "--report", metavar="FILE", help="write what it did (requests, latency p50/p99) as JSON at exit"
+    )
+    p.add_argument(
+        "--progress",
+        metavar="FILE",
+        help="append the wall time of each completed step (a sync returned; burn without syncs: a batch "
+        "of launches queued) to FILE, one per line",
     )
     add_sim_state_dir(p)
     p.set_defaults(func=workload_main)

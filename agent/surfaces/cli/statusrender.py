@@ -41,7 +41,9 @@ def render_status(doc: Mapping[str, Any], max_actions: int = MAX_ACTIONS) -> str
         lines += ["", "no GPUs"]
     for gpu in gpus:
         lines += ["", gpu_line(gpu)]
-        lines += ["  " + row for row in container_table(_mappings(gpu.get("containers")))]
+        containers = _mappings(gpu.get("containers"))
+        lines += ["  " + row for row in container_table(containers)]
+        lines += ["  " + row for row in unholdable_notes(containers)]
     lines += ["", *actions_block(_mappings(doc.get("recentActions")), max_actions)]
     return "\n".join(lines)
 
@@ -131,6 +133,16 @@ def container_table(containers: Sequence[Mapping[str, Any]]) -> list[str]:
     if not containers:
         return ["no containers"]
     return table(CONTAINER_HEADERS, [container_row(c) for c in containers], CONTAINER_ALIGN)
+
+
+def unholdable_notes(containers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per container whose cap the freezer cannot hold, and why."""
+    return [
+        f"{'/'.join(_text(c.get(k)) for k in ('namespace', 'pod', 'container'))}: "
+        f"cap not holdable: {_text(c.get('unholdable'))}"
+        for c in containers
+        if isinstance(c.get("unholdable"), str) and c.get("unholdable")
+    ]
 
 
 def actions_block(actions: Sequence[Mapping[str, Any]], limit: int = MAX_ACTIONS) -> list[str]:

@@ -60,12 +60,19 @@ class EnforcementCollector(Collector):
         )
         duty = GaugeMetricFamily(
             "vcuda_container_throttle_duty_ratio",
-            "Share of each duty cycle the container runs (1: not throttled)",
+            "Share of the time the container is thawed (1: not throttled)",
             labels=CONTAINER_LABELS,
         )
         cycle = GaugeMetricFamily(
             "vcuda_container_throttle_cycle_seconds",
-            "Length of the duty cycle of the container's GPU while it is throttled (absent: not throttled)",
+            "While the container is throttled: the mean time between its turns (turns), or its GPU's duty "
+            "cycle (duty cycles); absent: not throttled",
+            labels=CONTAINER_LABELS,
+        )
+        unholdable = GaugeMetricFamily(
+            "vcuda_container_share_unholdable",
+            "1 while the container is held but its cap cannot be held by freezing (work runs on "
+            "too long after each freeze; status says why), else 0",
             labels=CONTAINER_LABELS,
         )
         target = GaugeMetricFamily(
@@ -89,7 +96,7 @@ class EnforcementCollector(Collector):
             labels=CONTAINER_LABELS,
         )
         add_util, add_duty, add_target = adder(util), adder(duty), adder(target)
-        add_cycle = adder(cycle)
+        add_cycle, add_unholdable = adder(cycle), adder(unholdable)
         add_frozen, add_actions, add_mem = adder(frozen), adder(actions), adder(mem)
         node = self._node
         enforcer = self._enforcement.enforcer
@@ -103,12 +110,13 @@ class EnforcementCollector(Collector):
                 add_target(labels, control.goal / 100)
             if control.throttled:
                 add_cycle(labels, control.cycle_s)
+            add_unholdable(labels, 1.0 if control.throttled and control.unholdable else 0.0)
             add_frozen(labels, control.frozen_s)
             add_actions(labels, float(control.freezes))
             used_mib = memory.get(spec.label)
             if used_mib is not None:
                 add_mem(labels, float(used_mib * MIB))
-        yield from (util, duty, cycle, target, frozen, actions, mem)
+        yield from (util, duty, cycle, unholdable, target, frozen, actions, mem)
         quota = CounterMetricFamily(
             "vcuda_memory_quota_actions",
             "What the memory guard did about containers over their vcuda-memory",

@@ -209,7 +209,9 @@ class SimulatedBackend:
         self._stall(index, CALL_PROCESS_SAMPLES)
         with self._lock:
             newer = _tail(self._driver[index], since_us)
-        aggregation = self.node.gpu(index).nvml_aggregation
+        slot = self.node.gpu(index)
+        # The exact view has no driver ring: its samples pass through, as the engine's do.
+        aggregation = slot.nvml_aggregation if slot.ring else "per-sample"
         return [
             ProcessSample(s.pid, s.timestamp_us, s.sm_util)
             for s in process_utilization(newer, since_us, aggregation)

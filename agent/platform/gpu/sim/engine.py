@@ -315,9 +315,11 @@ class GpuEngine:
             ran, act = self._departed.get(pid, (0.0, 0.0))
             self._departed[pid] = (ran + ctx.period_ran, act + ctx.period_ran * ctx.sm_activity)
         slices = self._slices
-        if i < slices.cursor or slices.cursor >= len(self.contexts):
-            slices.cursor = max(0, slices.cursor - 1) if i < slices.cursor else 0
-            slices.slice_left = self.config.timeslice_s
+        if i < slices.cursor:
+            slices.cursor -= 1  # the same context holds the GPU, its slice goes on
+        elif i == slices.cursor or slices.cursor >= len(self.contexts):
+            slices.cursor = i if i < len(self.contexts) else 0  # the next one, on a fresh slice
+            slices.slice_left = -1.0
         if i == slices.last:
             slices.last, slices.switch_left = -1, 0.0  # its state is gone: the next one loads
         elif i < slices.last:
@@ -387,9 +389,8 @@ class GpuEngine:
                 # Idle: the whole periods up to ``now`` did nothing; record them at once.
                 current = int((now - self._origin) / period)
                 if current > self._period:
-                    ends = [self._origin + (k + 1) * period for k in range(self._period, current)]
-                    stamps = [self._stamp(e) for e in ends[-4096:]]
-                    self.perfmon.record_idle(stamps, period, ends[-1], self._visible(ends[-1]))
+                    ends = [self._origin + (k + 1) * period for k in range(max(self._period, current - 4096), current)]
+                    self.perfmon.record_idle([(self._stamp(e), e, self._visible(e)) for e in ends], period)
                     self._period = current
                     self.now = max(self.now, self._origin + current * period)
 
@@ -412,7 +413,8 @@ class GpuEngine:
         """The process whose context executes on the engine now (time-slicing), or the MPS
         server whose clients share it."""
         if self.mps:
-            return self.mps_server_pid or NO_PROCESS
+            working = any(c.pending > EPS for c in self.contexts)
+            return (self.mps_server_pid or NO_PROCESS) if working else NO_PROCESS
         last = self._slices.last
         if not 0 <= last < len(self.contexts) or self.contexts[last].pending <= EPS:
             return NO_PROCESS  # idle: nothing executes

@@ -106,15 +106,15 @@ class Perfmon:
         own = sum(u.activity_by_pid.get(use.executing_pid, 0.0) for u in self._recent)
         return min(100, round(100 * own / span))
 
-    def record_idle(self, stamps_us: list[int], period_s: float, end: float, visible: float) -> None:
-        """Whole idle periods up to ``end``: device samples at 0 and, in the driver's ring, a
-        sample each that credits nobody."""
-        for stamp in stamps_us[-DEVICE_SAMPLES_KEPT:]:
+    def record_idle(self, periods: list[tuple[int, float, float]], period_s: float) -> None:
+        """Whole idle periods, each (stamp, its end, when the driver shows it): device samples
+        at 0 and, in the driver's ring, a sample each that credits nobody."""
+        for stamp, end, _visible in periods[-DEVICE_SAMPLES_KEPT:]:
             self._device.append((end, DeviceSample(stamp, 0)))
         idle = PeriodUse(period_s, {}, {}, 0.0, NO_PROCESS)
-        self._recent.extend([idle] * min(len(stamps_us), self._recent.maxlen or 1))
+        self._recent.extend([idle] * min(len(periods), self._recent.maxlen or 1))
         if self.view == "driver":
-            for stamp in stamps_us[-RING_SAMPLES:]:
+            for stamp, _end, visible in periods[-RING_SAMPLES:]:
                 self._samples.append((visible, Sample(NO_PROCESS, stamp, 0)))
 
     def samples(self, since_us: int, now: float) -> list[Sample]:

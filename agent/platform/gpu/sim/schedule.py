@@ -54,7 +54,7 @@ class RoundRobin:
 
     timeslice: float
     cursor: int = 0
-    slice_left: float = 0.0
+    slice_left: float = -1.0  # negative: no slice started (0: the cursor's slice is used up)
     switch_s: float = 0.0
     last: int = -1
     switch_left: float = 0.0
@@ -73,7 +73,7 @@ class RoundRobin:
         run = _Run(remaining, goals)
         n = len(remaining)
         cur = self.cursor if 0 <= self.cursor < n else 0
-        left = self.slice_left if 0 < self.slice_left <= self.timeslice else self.timeslice
+        left = self.slice_left if 0 <= self.slice_left <= self.timeslice else self.timeslice
         last = self.last if 0 <= self.last < n else -1
         switch_left = self.switch_left if last != cur else 0.0
         while run.t < span - EPS and n and not run.all_reached():

@@ -52,6 +52,7 @@ class WorkloadSpec:
     grow_to_mib: int | None = None  # after grow_after_s, hold this much memory instead
     grow_after_s: float = 0.0
     driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (driver.py)
+    progress: Path | None = None  # append each step's completion wall time here (--progress)
 
     def validate(self) -> None:
         problems = self.pattern.problems()
@@ -123,10 +124,13 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
     program = with_memory(
         pattern_program(spec.pattern, stats), spec.memory_mib, spec.grow_to_mib, spec.grow_after_s
     )
+    progress = None if spec.progress is None else Progress(spec.progress, _step_op(spec.pattern))
     try:
         op = next(program)
         while not stop.is_set() and (end is None or time.monotonic() < end):
             _execute(op, ctx, driver, stop, end)
+            if progress is not None:
+                progress.done(op)
             op = program.send(time.monotonic())
     except InterruptedError:
         pass  # stopped while a call waited on the GPU
@@ -134,7 +138,45 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
         ctx.close()
         if driver is not None:
             driver.close()
+        if progress is not None:
+            progress.close()
     return stats
+
+
+def _step_op(pattern: PatternSpec) -> type[Op]:
+    """What completes a step: a sync returning; in a pattern that never syncs (burn by
+    default), a batch of launches queued (with the queue full, as many have completed)."""
+    return Launch if pattern.pattern == "burn" and not pattern.syncs_every else Sync
+
+
+class Progress:
+    """``--progress``: the wall time of each step's completion appended to a file, one per
+    line, in batches at least every 0.2 s (bench/gpu_suite.py reads the workload's throughput
+    from it, as it reads a PyTorch worker's)."""
+
+    FLUSH_S = 0.1
+
+    def __init__(self, path: Path, step: type[Op]) -> None:
+        self._file = path.open("a")
+        self._step = step
+        self._batch: list[float] = []
+        self._flushed = time.monotonic()
+
+    def done(self, op: Op) -> None:
+        if isinstance(op, self._step):
+            self._batch.append(time.time())
+        if self._batch and time.monotonic() - self._flushed >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.write("".join(f"{t:.6f}\n" for t in self._batch))
+        self._file.flush()
+        self._batch.clear()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()
 
 
 def _execute(
