@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard agent/platform/kubelet/pb/*.proto)
 
-.PHONY: all setup host demo test lint format bench image proto clean
+.PHONY: all setup host demo test lint format bench gpu-check image proto clean
 
 all: test
 
@@ -46,6 +46,13 @@ bench: setup
 	$(VPY) bench/restarts.py
 	$(VPY) bench/enforcement.py
 	$(VPY) bench/controller_cost.py
+
+# The GPU script (bench/gpu_suite.py) on a GPU machine: no venv there, its own python3 with
+# PyTorch and pynvml; results under $OUT (else ./gpu-suite-out). GPU_CHECK_ARGS adds options,
+# e.g. GPU_CHECK_ARGS="--budget-s 300 --patterns train,graph".
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_suite.py $(GPU_CHECK_ARGS)
 
 # The image, built with podman on a cached debootstrap base (deploy/image/build.sh; root).
 image: host

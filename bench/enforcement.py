@@ -135,6 +135,7 @@ class Row:
     policy: str
     settle_s: float
     p99_ms: float | None
+    ideal_p99_ms: float | None = None  # the same share delivered continuously
 
 
 def phases_of(report: dict[str, object]) -> list[tuple[float, bool]]:
@@ -142,7 +143,31 @@ def phases_of(report: dict[str, object]) -> list[tuple[float, bool]]:
     return [(float(t), bool(on)) for t, on in raw] if isinstance(raw, list) else []
 
 
-def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float, settle: float) -> list[Row]:
+def alone_rate(run: Run, settle: float) -> float:
+    """Share of the time a workload alone on the whole GPU keeps it busy with its work (per
+    second of being on, for bursty ones), after ``settle``."""
+    phases = phases_of(run.reports[0]) if run.reports else []
+    skip = int(settle / WINDOW_S)
+    used = run.windows[0][skip:]
+    on = [on_fraction(phases, s, s + WINDOW_S) for s in run.starts[skip : skip + len(used)]]
+    return max(1e-6, min(1.0, sum(used) / 100 / max(sum(on), 1e-9)))
+
+
+def throughput(run: Run, alone: float) -> Run:
+    """The run with each window's use as a share of the throughput alone (``alone``)."""
+    return Run([[w / alone for w in ws] for ws in run.windows], run.starts, run.reports)
+
+
+def score(
+    pattern: str,
+    name: str,
+    boxes: list[Box],
+    run: Run,
+    *,
+    demand: float,
+    settle: float,
+    ideal: Run | None = None,
+) -> list[Row]:
     phases = [phases_of(r) for r in run.reports] if run.reports else [[] for _ in boxes]
     n = min(len(w) for w in run.windows)
     on = [
@@ -161,20 +186,26 @@ def score(pattern: str, name: str, boxes: list[Box], run: Run, *, demand: float,
         mean_exp = sum(exp) / on_s if on_s else 0.0
         err = mean_used - mean_exp
         settled = settle_time(run.windows[i][:n], [want[w][i] for w in range(n)], active)
-        p99 = run.reports[i].get("latency_p99_ms") if run.reports else None
-        p99_ms = float(p99) if isinstance(p99, int | float) else None
+        p99_ms = _p99(run, i)
+        ideal_ms = _p99(ideal, i) if ideal is not None else None
         line = (
             f"| {pattern} | {name} | {box.name}: {box.policy} {box.cores} | {mean_exp:.0f} | "
-            f"{mean_used:.1f} | {err:+.1f} | {settled:.1f} | {'' if p99_ms is None else f'{p99_ms:.0f}'} |"
+            f"{mean_used:.1f} | {err:+.1f} | {settled:.1f} | {'' if p99_ms is None else f'{p99_ms:.0f}'} | "
+            f"{'' if ideal_ms is None else f'{ideal_ms:.0f}'} |"
         )
         # Scored: containers held to a target below the whole GPU. A burst-share container
         # alone may use it all and is never throttled: what it uses is what its workload
         # asks (an infer server's own gaps between requests are not an error of the cap).
         held = box.policy != "best-effort" and mean_exp < 100 * demand - 1e-9
         rows.append(
-            Row(line + ("" if held else " (not scored)"), err if held else None, box.policy, settled, p99_ms)
+            Row(line + ("" if held else " (not scored)"), err if held else None, box.policy, settled, p99_ms, ideal_ms)
         )
     return rows
+
+
+def _p99(run: Run, i: int) -> float | None:
+    p99 = run.reports[i].get("latency_p99_ms") if run.reports else None
+    return float(p99) if isinstance(p99, int | float) else None
 
 
 def settle_time(used: list[float], want: list[float], active: list[tuple[bool, ...]]) -> float:
@@ -283,28 +314,46 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
         f"# {mode}; sharing mode {args.actuator}{mps}; sample period {args.sample_period or 'default'} s, "
         f"timeslice {args.timeslice_ms:g} ms"
     )
-    print("| pattern | scenario | container | expected % | used % | error pp | settle s | p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| pattern | scenario | container | expected % | used % | error pp | settle s | p99 ms "
+        "| continuous p99 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[Row]] = {}
+    alone: dict[str, float] = {}
     try:
         for pattern in args.pattern.split(","):
             spec = pattern_spec(pattern, args.kernel_ms, args.seed)
-            demand = spec.demand() or 1.0
-            if pattern == "bursty":
-                demand = spec.busy
-            for i, (name, boxes) in enumerate(SCENARIOS):
+
+            def run(boxes: list[Box], label: str) -> Run:
                 if args.model:
-                    run = run_model(boxes, spec, args, WINDOW_S)
-                else:
-                    run = real(boxes, spec, args, workdir / f"{pattern}-{i}")
-                for row in score(pattern, name, boxes, run, demand=demand, settle=args.settle):
+                    return run_model(boxes, spec, args, WINDOW_S)
+                return real(boxes, spec, args, workdir / f"{pattern}-{label}")
+
+            # The reference a share is of: the same workload alone on the whole GPU.
+            alone[pattern] = alone_rate(run([Box("a", 100, "fixed-share")], "alone"), args.settle)
+            demand = min(1.0, (spec.busy if pattern == "bursty" else spec.demand() or 1.0) / alone[pattern])
+            for i, (name, boxes) in enumerate(SCENARIOS):
+                ideal = run_model(boxes, spec, args, WINDOW_S, continuous=True) if pattern == "infer" else None
+                scored = score(
+                    pattern, name, boxes, throughput(run(boxes, str(i)), alone[pattern]),
+                    demand=demand, settle=args.settle, ideal=ideal,
+                )
+                for row in scored:
                     print(row.line, flush=True)
                     rows.setdefault(pattern, []).append(row)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        "# used %: throughput, the share of what the same workload gets done alone on the whole GPU "
+        "(alone it keeps the GPU busy "
+        + ", ".join(f"{p} {100 * r:.1f} %" for p, r in alone.items())
+        + " of the time)"
+    )
     scored = [r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None]
     burn = [r.error_pp for r in rows.get("burn", []) if r.error_pp is not None]
     p99 = [r.p99_ms for r in rows.get("infer", []) if r.p99_ms is not None and r.error_pp is not None]
+    ideal_p99 = [r.ideal_p99_ms for r in rows.get("infer", []) if r.ideal_p99_ms is not None and r.error_pp is not None]
     every = [r.error_pp for rs in rows.values() for r in rs if r.error_pp is not None]
     mps_result = ""
     if args.actuator != "freezer":  # every pattern, burn included; the burn rows alone
@@ -326,7 +375,7 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
         f"max_abs_error_pp={max((abs(r.error_pp or 0) for r in scored), default=0):.1f} "
         f"max_settle_s={max((r.settle_s for r in scored), default=0):.1f} "
         f"burn_error_pp={max(burn, default=0):+.1f} "
-        f"infer_p99_ms={max(p99, default=0):.0f}" + mps_result
+        f"infer_p99_ms={max(p99, default=0):.0f} infer_ideal_p99_ms={max(ideal_p99, default=0):.0f}" + mps_result
     )
     return 0
 

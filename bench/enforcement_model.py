@@ -75,7 +75,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-def run_model(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, window_s: float) -> Run:
+def continuous_shares(boxes: list[Box]) -> list[float]:
+    """Each container's share if it were delivered continuously (a GPU partitioned exactly):
+    its request, and the best-effort ones what is left."""
+    if len(boxes) == 1 and boxes[0].policy == "burst-share":
+        return [1.0]  # alone: its limit, the whole GPU
+    held = [b.cores / 100 if b.policy != "best-effort" else 0.0 for b in boxes]
+    left = max(0.0, 1.0 - sum(held))
+    free = [b for b in boxes if b.policy == "best-effort"]
+    return [h if b.policy != "best-effort" else left / len(free) for b, h in zip(boxes, held, strict=True)]
+
+
+def run_model(
+    boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, window_s: float, *, continuous: bool = False
+) -> Run:
+    """``continuous``: no agent; each container gets its share of the GPU continuously
+    (the engine's MPS partitioning at :func:`continuous_shares`), the ideal a cap is
+    compared with."""
     clock = VirtualClock()
     gpu = VirtualGpuNode(clock, [engine_config(args)])
     specs = [box_spec(b) for b in boxes]
@@ -88,14 +104,18 @@ def run_model(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, win
         actuator=gpu,
         period_s=PERIOD_S,
         clock=clock,
+        enabled=not continuous,
     )
     stats = [WorkloadStats() for _ in boxes]
-    mps = args.actuator in ("mps", "auto")  # the engine can always run MPS
+    mps = continuous or args.actuator in ("mps", "auto")  # the engine can always run MPS
     if mps:
         gpu.node.engines[0].attach_mps_server(MPS_SERVER_PID, clock.monotonic())
-    for box, box_spec_, box_stats in zip(boxes, specs, stats, strict=True):
+    ideal = continuous_shares(boxes)
+    for n, (box, box_spec_, box_stats) in enumerate(zip(boxes, specs, stats, strict=True)):
         # What Allocate hands out: the ceiling's whole TPCs (agent.control.mpssharing).
         share = effective_share(partition_for(box_spec_.ceiling or 100, H100_SMS).percent, H100_SMS)
+        if continuous:
+            share = ideal[n]
         gpu.add(box.name, 0, pattern_program(spec, box_stats), share=share if mps else 1.0, mps_client=mps)
     start = clock.monotonic()
     windows: list[list[float]] = [[] for _ in boxes]

@@ -342,7 +342,7 @@ class RealContainers:
                 "--ready",
                 str(ready),
             ],
-            envs={**response.envs, "CUDA_VISIBLE_DEVICES": uuid},
+            envs={**dict(response.envs), "CUDA_VISIBLE_DEVICES": uuid},
             mounts=[(m.container_path, m.host_path) for m in response.mounts],
         )
         return Running(proc, progress, ready, uuid)

@@ -182,7 +182,7 @@ class Run:
             self.summary.stage(
                 "traces", note="no cgroup v2 hierarchy: SIGSTOP/SIGCONT stand in for the freezer"
             )
-        self.result["traces"] = run_traces(setup, self.args.patterns, self.budget, self.summary, keep_s)
+        run_traces(setup, self.args.patterns, self.budget, self.summary, keep_s)
         self.summary.stage("traces", patterns=setup.outcomes)
         for pattern, outcome in setup.outcomes.items():
             rate = outcome.get("alone_steps_per_s")
@@ -226,6 +226,13 @@ class Run:
             self.args.simulate, self.workdir, sys.executable, self.args.quick, {}
         )
         return gpu_scenarios.estimate_s(setup, 1)
+
+    def traces_written(self) -> int:
+        started = self.summary.doc["started_w"]
+        found = [p for p in (self.out / "traces").glob("trace-*.jsonl.gz") if p.stat().st_mtime >= started]
+        for path in found:
+            self.summary.file(path)
+        return len(found)
 
     def close(self) -> None:
         if self.source is not None:
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
         run.close()
         if run.result.get("nvidia") != "absent":
+            run.result["traces"] = run.traces_written()  # those of a pattern cut short by a signal too
             run.result.update(
                 skipped=len(run.summary.doc["skipped"]),
                 errors=len(run.summary.doc["errors"]),

@@ -173,9 +173,9 @@ class PatternRecording:
         self.scheduler: Scheduler | None = None
         self.current: tuple[Segment, float] | None = None  # the segment under way, its start
         self.outcome: dict[str, Any] = {"errors": []}
-        setup.outcomes[pattern] = self.outcome
 
     def run(self) -> Path:
+        self.setup.outcomes[self.pattern] = self.outcome
         try:
             self._start()
             self._segments()

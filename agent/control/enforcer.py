@@ -91,6 +91,7 @@ class Enforcer:
             settings=turn_settings,
             clock_now=self._clock.monotonic,
             idle_hold_s=self.gains.idle_hold_s,
+            period_s=period_s,
         )
         self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}

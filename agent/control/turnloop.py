@@ -41,7 +41,8 @@ ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the 
 CREDIT_WINDOW_S = 2.0  # an unheld container NVML credited this recently uses the GPU
 FIGURES_S = 10.0  # duty and cycle: over the turns of this long
 SLOT_S = 0.004  # actions this close together go in one wake-up
-FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a container's first drain to show over
+FIRST_DRAIN_WAIT_S = 4.0
+SEEN_PERIODS = 2  # a drain is seen over this many device sample periods after it ended  # the longest wait for a container's first drain to show over
 
 IDLE_BALANCE_QUANTA = 0.5  # an idle held container keeps at most this much of a quantum
 
@@ -74,8 +75,10 @@ class TurnLoop:
         settings: TurnSettings,
         clock_now: Callable[[], float],
         idle_hold_s: float,
+        period_s: float = 0.25,
     ) -> None:
         self.meter = meter
+        self._period_s = period_s
         self.settings = settings
         self._now = clock_now
         self._idle_hold_s = idle_hold_s
@@ -302,6 +305,8 @@ class TurnLoop:
         state = self._gpus[gpu]
         attribution = self.meter.gpus[gpu].attribution
         models = attribution.models
+        # A drain over shows in the next device sample after it, read at the next period.
+        seen_after = SEEN_PERIODS * self.meter.gpus[gpu].typical_period() + self._period_s
         if any(not c.frozen for k, c in state.controls.items() if k in starting):
             return 0.0  # it runs already: the drains before it mix with its turn anyway
         until = now
@@ -315,6 +320,8 @@ class TurnLoop:
             if wait is None:
                 state.waiting_for[key] = at
                 wait = FIRST_DRAIN_WAIT_S
+            elif wait > seen_after:  # the samples show it over sooner than a blind wait
+                state.waiting_for[key] = at
             until = max(until, at + wait)
         return until - now
 
