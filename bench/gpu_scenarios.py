@@ -19,9 +19,11 @@ directory; failing that the stage is skipped with the reason.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -153,20 +155,38 @@ def estimate_s(setup: EnforceSetup, n_scenarios: int) -> float:
 
 
 def run_enforcement(
-    setup: EnforceSetup, patterns: list[str], budget: Budget, summary: Summary
+    setup: EnforceSetup,
+    patterns: list[str],
+    budget: Budget,
+    summary: Summary,
+    write: Callable[[dict[str, Any]], object],
 ) -> dict[str, Any]:
-    """Every scenario that fits; the rows and the RESULT figures (``enforcement.json``)."""
+    """Every scenario that fits; the rows and the RESULT figures (``enforcement.json``, handed
+    to ``write`` after every scenario too, so that a run cut short keeps what it measured)."""
     rows: list[dict[str, Any]] = []
     skipped_modes: list[str] = []
+
+    def doc() -> dict[str, Any]:
+        return {
+            "rows": rows,
+            "result": result_figures(rows),
+            "alone_steps_per_s": setup.alone,
+            "not_run": skipped_modes,
+            "second_column": SimContainers.second_kind if setup.simulated else RealContainers.second_kind,
+        }
+
     if not setup.simulated and not shutil.which("nvidia-cuda-mps-control") and "train" in patterns:
         skipped_modes.append("mps: nvidia-cuda-mps-control is not on PATH")
         summary.skip("enforce/mps", "nvidia-cuda-mps-control is not on PATH")
     print("| mode | pattern | scenario | container | cap | throughput % | error pp | second % |", flush=True)
     for mode, pattern in plan(patterns, setup.simulated):
-        for name, boxes in SCENARIOS:
+        for i, (name, boxes) in enumerate(SCENARIOS):
             part = f"enforce/{mode}/{pattern}/{name}"
             need = estimate_s(setup, 1) + (0 if pattern in setup.alone else estimate_s(setup, 1))
-            got = attempt(part, need, budget, summary, _bound(setup, mode, pattern, name, boxes))
+            # A short directory: the MPS daemon's control socket lies four levels under it.
+            workdir = setup.workdir / f"{mode[0]}-{pattern}-{i}"
+            case = Case(mode, pattern, name, boxes, workdir)
+            got = attempt(part, need, budget, summary, functools.partial(_scenario, setup, case))
             for row in got or ():
                 rows.append(row)
                 error = "" if row["error_pp"] is None else f"{row['error_pp']:+.1f}"
@@ -176,18 +196,8 @@ def run_enforcement(
                     f"{row['throughput_pct']:.1f} | {error} | {second} |",
                     flush=True,
                 )
-    return {
-        "rows": rows,
-        "result": result_figures(rows),
-        "alone_steps_per_s": setup.alone,
-        "not_run": skipped_modes,
-    }
-
-
-def _bound(
-    setup: EnforceSetup, mode: str, pattern: str, name: str, boxes: list[tuple[str, int, str]]
-) -> Callable[[], list[dict[str, Any]]]:
-    return lambda: _scenario(setup, mode, pattern, name, boxes)
+            write(doc())
+    return doc()
 
 
 def result_figures(rows: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -208,13 +218,22 @@ def result_figures(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
-def _scenario(
-    setup: EnforceSetup, mode: str, pattern: str, name: str, boxes: list[tuple[str, int, str]]
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Case:
+    """One scenario of one pattern in one sharing mode."""
+
+    mode: str
+    pattern: str
+    name: str
+    boxes: list[tuple[str, int, str]]  # (container, cores, policy)
+    workdir: Path
+
+
+def _scenario(setup: EnforceSetup, case: Case) -> list[dict[str, Any]]:
+    mode, pattern, name, boxes, workdir = case.mode, case.pattern, case.name, case.boxes, case.workdir
     if pattern not in setup.alone:
         setup.alone[pattern] = _calibrate(setup, pattern)
     settle, measure = setup.settle_measure
-    workdir = setup.workdir / f"{mode}-{pattern}-{name.replace(' ', '').replace('+', '_')}"
     node_cm, driver = _node(setup, workdir, mode)
     with node_cm as node:
         running = [driver.start(node, f"pod-{b}", cores, policy, pattern) for b, cores, policy in boxes]
@@ -222,9 +241,9 @@ def _scenario(
         second = driver.second_column(node, running, settle, measure)
         m1 = time.time()
         m0 = m1 - measure
+        stepped = _stop_and_read(node, running)
         rows = []
-        for (box, cores, policy), container in zip(boxes, running, strict=True):
-            steps = ProgressTail(container.progress).read()
+        for (box, cores, policy), container, steps in zip(boxes, running, stepped, strict=True):
             n = sum(1 for t in steps if m0 < t <= m1)
             thr = 100 * n / measure / setup.alone[pattern]
             scored = policy == "fixed-share"
@@ -248,18 +267,35 @@ def _calibrate(setup: EnforceSetup, pattern: str) -> float:
     """Steps per second of the pattern's loop alone on a whole GPU (a 100-core container,
     never throttled), where the traces did not measure it."""
     settle, measure = setup.settle_measure
-    node_cm, driver = _node(setup, setup.workdir / f"calibrate-{pattern}", "freezer")
+    node_cm, driver = _node(setup, setup.workdir / f"cal-{pattern}", "freezer")
     with node_cm as node:
         container = driver.start(node, "pod-alone", 100, "fixed-share", pattern)
         driver.wait_ready([container])
         time.sleep(settle + measure)
         m1 = time.time()
-        steps = ProgressTail(container.progress).read()
+        steps = _stop_and_read(node, [container])[0]
         rate = sum(1 for t in steps if m1 - measure < t <= m1) / measure
     print(f"# calibration: {pattern}: {rate:.1f} steps/s alone on the whole GPU", flush=True)
     if rate <= 0:
         raise RuntimeError(f"{pattern}: no steps alone on the whole GPU: cannot score by throughput")
     return rate
+
+
+def _stop_and_read(node: Any, running: list[Running]) -> list[list[float]]:
+    """Each container's step times, all of them: a worker flushes its steps every 0.1 s while
+    it runs, and one frozen holds the steps it finished before the freeze until it is thawed.
+    So: stop the agent (it thaws everything on its way out), then each workload (SIGTERM: it
+    flushes), then read."""
+    node.stop_agent()
+    for r in running:
+        if r.proc.proc.poll() is None:
+            r.proc.proc.send_signal(signal.SIGTERM)
+    for r in running:
+        try:
+            r.proc.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            r.proc.proc.kill()
+    return [ProgressTail(r.progress).read() for r in running]
 
 
 def _node(setup: EnforceSetup, workdir: Path, mode: str) -> tuple[Any, Any]:

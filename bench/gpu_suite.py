@@ -106,11 +106,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def python_env(extra: list[str] | None = None) -> dict[str, str]:
+def python_env() -> dict[str, str]:
     """Every child's environment: this repository on PYTHONPATH (``python -m agent`` from
     anywhere), output unbuffered."""
     env = dict(os.environ)
-    paths = [*(extra or []), str(ROOT), env.get("PYTHONPATH", "")]
+    paths = [str(ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -214,10 +214,13 @@ class Run:
         setup = gpu_scenarios.EnforceSetup(
             self.args.simulate, self.workdir / "enforce", sys.executable, self.args.quick, dict(self.alone)
         )
-        doc = gpu_scenarios.run_enforcement(setup, self.args.patterns, self.budget, self.summary)
-        doc["gpu"] = self.result.get("gpu")
-        self.write_json("enforcement.json", doc)
-        self.result.update({k: v for k, v in doc["result"].items() if v is not None})
+        gpu = self.result.get("gpu")
+
+        def write(doc: dict[str, Any]) -> None:
+            self.write_json("enforcement.json", {"gpu": gpu, **doc})
+            self.result.update({k: v for k, v in doc["result"].items() if v is not None})
+
+        write(gpu_scenarios.run_enforcement(setup, self.args.patterns, self.budget, self.summary, write))
 
     def enforce_estimate(self) -> float:
         import gpu_scenarios  # noqa: PLC0415

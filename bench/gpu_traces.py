@@ -11,10 +11,13 @@ Segments (seconds at scale 1; a drain of 0.5 s with both frozen between two):
 - ``A and B``: both unthrottled (3 s);
 - ``A and B slots``: cycle 1 s, A thawed [0, 0.3), B thawed [0.4, 1.0) (4 s).
 
-Workers: the PyTorch programs of bench/gpu_workloads.py on a real GPU; ``vcuda-agent
-sim-workload --progress`` on the simulated one, with kernels of about the real lengths
-(coarser where the simulator's cost per call matters). The record format is in
-bench/gpu_recording.py.
+Workers: the PyTorch programs of bench/gpu_workloads.py on a real GPU, warmed up, then
+frozen, then let go (``--go``) so that neither has queued anything before its first segment;
+``vcuda-agent sim-workload --progress`` on the simulated one, with kernels of about the real
+lengths (coarser where the simulator's cost per call matters). The simulated workloads have
+no go file: they run from their start until the first freeze, a few milliseconds, which for
+``burn`` is enough to fill B's queue before ``A alone`` (the simulated traces test the suite;
+the real ones are the data). The record format is in bench/gpu_recording.py.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_budget import Budget, Summary, attempt
-from gpu_recording import SAMPLE_S, SCHEMA, Plan, Sampler, Scheduler, Slot, TraceWriter, plan_json
+from gpu_recording import OVERLAP_US, SAMPLE_S, SCHEMA, Plan, Sampler, Scheduler, Slot, TraceWriter, plan_json
 from gpu_sources import Source
 from gpu_workers import (
     CgroupFreezer,
@@ -311,7 +314,7 @@ def figures(
 ) -> list[dict[str, Any]]:
     """Per segment and worker: throughput (% of A alone) and the mean smUtil NVML credited
     it per incremental call; a digest for summary.json and the log, the trace has it all."""
-    calls = [r for r in records if r["t"] == "proc" and r["since"] != round(r["w"] * 1e6) - 2_000_000]
+    calls = [r for r in records if r["t"] == "proc" and r["since"] != round(r["w"] * 1e6) - OVERLAP_US]
     out = []
     for seg in _segment_records(records):
         span = seg["end"] - seg["start"]

@@ -101,6 +101,9 @@ class TurnLoop:
         used = {c.key: self.meter.used(gpu, c.key, USED_WINDOW_S) for c in controls}
         recent = {c.key: self.meter.used(gpu, c.key, ENTER_WINDOW_S) for c in controls}
         active = {k for k, u in used.items() if u is not None and u >= ACTIVE_PERCENT}
+        # A held container with work waits for its turns: it is active however seldom they come.
+        models = data.attribution.models
+        active |= {k for k in data.accounts if k in used and not (k in models and models[k].idle)}
         for control in controls:
             control.used = used[control.key] or 0.0
             control.goal = self._target(control, active)

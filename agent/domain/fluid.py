@@ -36,9 +36,10 @@ DRAINS_KEPT = 16  # a container's drain figures are over its last this many
 HIGH_QUANTILE = 0.8  # its long drain: this quantile of the recent ones
 QUIET = 0.02  # a period busy less than this share of it: the GPU went quiet
 ACTIVE_S = 0.001  # a container credited less than this in a period did not run in it
-TRUNCATED = 0.97  # a drain filling this much of the wait after it may have been cut short...
+WORKED_S = 0.005  # a frozen container credited this much in a period had work queued
+TRUNCATED = 0.99  # a drain filling this much of the wait after it may have been cut short...
 WAIT_GROWTH = 1.5  # ...and the next wait is this much longer
-WAIT_MARGIN = 1.1  # the wait after a freeze: this much the long drain (> 1 / TRUNCATED)...
+WAIT_MARGIN = 1.02  # the wait after a freeze: this much the long drain (> 1 / TRUNCATED)...
 WAIT_SLACK_S = 0.005  # ...and this much more
 MAX_WAIT_S = 4.0  # the longest wait after a freeze
 
@@ -153,6 +154,9 @@ class Attribution(Generic[K]):
     def _learn_idle(self, thawed_time: Mapping[K, float], credited: Mapping[K, float], span: float) -> None:
         """Whether each container thawed for a good part of the period has work: credited
         next to nothing for it, it has none (idle); half of it or more, it has."""
+        for key, ran in credited.items():
+            if key not in thawed_time and ran >= WORKED_S:
+                self.model(key).idle = False  # its drain ran: it had work at its last thaw
         for key, seconds in thawed_time.items():
             if seconds < 0.25 * span:
                 continue
