@@ -11,21 +11,16 @@ Scenarios: fixed 30 alone, fixed 30 + fixed 60, fixed 40 + best-effort 30; for t
 and graph (freezer mode), then burn if time remains; then MPS mode (``--sharing-mode mps``)
 for train where ``nvidia-cuda-mps-control`` is on PATH (the simulator always has its stand-in).
 
-The agent needs this project's dependencies (grpcio, kubernetes, prometheus-client, ...),
-which a GPU machine may lack: they are checked first, installed from local wheels
-(``--wheels``, default ``<repo>/.whl``) or else, where pip reaches an index, into a private
-directory; failing that the stage is skipped with the reason.
+The agent needs this project's dependencies, which a GPU machine may lack: bench/gpu_deps.py
+checks (and where it can, installs) them before the stage starts.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,33 +31,6 @@ from gpu_budget import Budget, Summary, attempt
 from gpu_traces import BENCH, SIM_ARGS
 from gpu_workers import ProgressTail
 
-# Import name -> distribution, for the agent process and the emulators in this one.
-AGENT_MODULES = {
-    "grpc": "grpcio",
-    "google.protobuf": "protobuf",
-    "kubernetes": "kubernetes",
-    "prometheus_client": "prometheus-client",
-    "yaml": "PyYAML",
-    "pyroute2": "pyroute2",
-}
-CHECK = """
-import importlib, importlib.util, json, sys
-missing = []
-for name in sys.argv[1:]:
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except ImportError:
-        found = False
-    if not found:
-        missing.append(name)
-error = None
-if not missing:
-    try:
-        import agent.emulators.enforcednode, agent.surfaces.cli.main
-    except Exception as err:
-        error = f"{type(err).__name__}: {err}"
-print(json.dumps({"missing": missing, "error": error}))
-"""
 SCENARIOS: list[tuple[str, list[tuple[str, int, str]]]] = [
     ("fixed 30 alone", [("a", 30, "fixed-share")]),
     ("fixed 30 + fixed 60", [("a", 30, "fixed-share"), ("b", 60, "fixed-share")]),
@@ -73,54 +41,6 @@ QUICK_SETTLE_S, QUICK_MEASURE_S = 0.5, 1.0
 OVERHEAD_S = {"real": 60.0, "sim": 14.0}  # agent start, workers' start-up, teardown
 MEMORY_MIB = 8192  # vcuda-memory per container: burn holds three 8192² fp32 matrices and a context
 WINDOW_S = 0.5
-
-
-def _check(python: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run(
-        [python, "-c", CHECK, *AGENT_MODULES], capture_output=True, text=True, env=env, timeout=120
-    )
-    if done.returncode != 0:
-        return {"missing": [], "error": f"the check exited {done.returncode}: {done.stderr.strip()[-300:]}"}
-    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return found
-
-
-def agent_deps(
-    python: str, env: dict[str, str], *, wheels: Path | None, site: Path, timeout_s: float
-) -> tuple[str | None, list[str]]:
-    """(None, what was done) when the agent can run with ``env`` (PYTHONPATH extended with
-    ``site`` in place where something was installed there); else (why not, what was tried)."""
-    tried: list[str] = []
-    state = _check(python, env)
-    if not state["missing"] and not state["error"]:
-        return None, ["the agent's dependencies are importable"]
-    if state["error"] and not state["missing"]:
-        return f"the agent does not import: {state['error']}", tried
-    dists = [AGENT_MODULES[m] for m in state["missing"]]
-    tried.append(f"missing: {', '.join(dists)}")
-    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target", str(site)]
-    if wheels is not None and any(wheels.glob("*.whl")):
-        cmd = [*pip, "--no-index", "--no-deps", *map(str, sorted(wheels.glob("*.whl")))]
-        tried.append(f"pip install of the wheels in {wheels}")
-    elif subprocess.run([python, "-m", "pip", "--version"], capture_output=True, env=env).returncode == 0:
-        cmd = [*pip, "--timeout", "5", "--retries", "0", *dists]
-        tried.append("pip install from the package index (no local wheels)")
-    else:
-        return f"missing {', '.join(dists)}, and no pip to install them with", tried
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            return f"missing {', '.join(dists)}; pip failed (no package index reachable?): {last}", tried
-    except subprocess.TimeoutExpired:
-        return f"missing {', '.join(dists)}; pip did not finish within {timeout_s:.0f} s", tried
-    env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    state = _check(python, env)
-    if state["missing"] or state["error"]:
-        return f"still missing {state['missing']} after pip ({state['error']})", tried
-    return None, [*tried, f"installed into {site}"]
 
 
 @dataclass

@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:  # the agent package, without installing this proj
     sys.path.insert(1, str(ROOT))
 
 from gpu_budget import Budget, Interrupted, Summary, attempt  # noqa: E402
+from gpu_deps import agent_deps  # noqa: E402
 from gpu_inventory import host_facts, nvml_inventory, open_nvml, sim_inventory, v2_root  # noqa: E402
 from gpu_sources import NvmlSource, SimSource, Source  # noqa: E402
 from gpu_traces import TraceSetup, run_traces  # noqa: E402
@@ -192,12 +193,10 @@ class Run:
     # Stage 3 ---------------------------------------------------------------------------------
     def enforce_ready(self) -> str:
         """Why the enforcement stage cannot run ("": it can)."""
-        import gpu_scenarios  # noqa: PLC0415
-
         if v2_root() is None:
             return "no cgroup v2 hierarchy (the enforced node needs one)"
         wheels = self.args.wheels or (ROOT / ".whl")
-        why, tried = gpu_scenarios.agent_deps(
+        why, tried = agent_deps(
             sys.executable,
             self.env,
             wheels=wheels if wheels.is_dir() else None,

@@ -323,8 +323,11 @@ class TurnLoop:
             if wait is None:
                 state.waiting_for[key] = at
                 wait = FIRST_DRAIN_WAIT_S
-            elif wait > seen_after:  # the samples show it over sooner than a blind wait
+            elif wait > seen_after:
+                # Long drains: wait until the samples show it over (a blind wait would be cut
+                # short by a longer one than those measured so far), at most twice the wait.
                 state.waiting_for[key] = at
+                wait = min(FIRST_DRAIN_WAIT_S, 2 * wait)
             until = max(until, at + wait)
         return until - now
 

@@ -41,6 +41,7 @@ TRUNCATED = 0.99  # a drain filling this much of the wait after it may have been
 WAIT_GROWTH = 1.5  # ...and the next wait is this much longer
 WAIT_MARGIN = 1.02  # the wait after a freeze: this much the long drain (> 1 / TRUNCATED)...
 WAIT_SLACK_S = 0.005  # ...and this much more
+WAIT_DECAY = 0.9  # a longer wait comes down to that by this factor per drain measured
 MAX_WAIT_S = 4.0  # the longest wait after a freeze
 
 
@@ -69,7 +70,10 @@ class Demand:
         ordered = sorted(self.drains)
         self.drain_s = sum(ordered) / len(ordered)
         self.drain_max_s = ordered[min(len(ordered) - 1, int(HIGH_QUANTILE * len(ordered)))]
-        self.wait_s = min(MAX_WAIT_S, WAIT_MARGIN * self.drain_max_s + WAIT_SLACK_S)
+        # Only drains shorter than their wait are measured: a wait that grew after one that
+        # filled it comes down slowly, so that the long drains get measured too.
+        target = min(MAX_WAIT_S, WAIT_MARGIN * self.drain_max_s + WAIT_SLACK_S)
+        self.wait_s = max(target, WAIT_DECAY * (self.wait_s or 0.0))
 
 
 def water_fill(demands: Mapping[K, float]) -> dict[K, float]:
