@@ -38,7 +38,7 @@ ACTIVE_PERCENT = 5.0  # a container using this much of the GPU wants its share
 HOLD_MARGIN_PP = 1.0  # an unheld container is held once measured this far over its target
 USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
 ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
-CREDIT_WINDOW_S = 2.0  # an unheld container NVML credited this recently uses the GPU
+YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
 FIGURES_S = 10.0  # duty and cycle: over the turns of this long
 SLOT_S = 0.004  # actions this close together go in one wake-up
 FIRST_DRAIN_WAIT_S = 4.0
@@ -115,7 +115,7 @@ class TurnLoop:
             for c in controls
             if c.key not in held
             and held
-            and (c.key in active or self.meter.credited(gpu, c.key, CREDIT_WINDOW_S) or c.frozen)
+            and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
         }
         for control in controls:
             control.yielding = control.key in state.yielding
@@ -127,6 +127,12 @@ class TurnLoop:
             state.waiting_for.clear()
             state.next_decision = min(state.next_decision, now)  # the drains showed: go on
         return [c for c in controls if c.key in held or c.key in state.yielding]
+
+    def _used_lately(self, gpu: int, key: str) -> bool:
+        """Whether the container used the GPU lately (it may again at any moment: a pause
+        between bursts, a request after a quiet spell), by the device samples or NVML."""
+        used = self.meter.used(gpu, key, YIELD_WINDOW_S)
+        return (used is not None and used > 0.1) or self.meter.credited(gpu, key, YIELD_WINDOW_S)
 
     def _target(self, control: ContainerControl, active: set[str]) -> float | None:
         spec = control.spec

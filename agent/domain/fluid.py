@@ -137,21 +137,23 @@ class Attribution(Generic[K]):
         if start > self.t + EPS:
             self._replay(start, {}, {})  # samples missing: the time passes unaccounted
         busy = max(0.0, min(100.0, busy_percent)) / 100 * (end_s - start)
-        thawed_at_start = set(self._thawed)
         running: dict[K, float] = {}
         draining: dict[K, float] = {}
         thawed_time: dict[K, float] = {}
         self._replay(end_s, running, draining, thawed_time)
         out: dict[K, float] = {}
         ran = sum(running.values())
-        scale = min(1.0, busy / ran) if ran > EPS else 0.0
+        if any(v > EPS for v in draining.values()):
+            given = min(busy, ran)  # the drains take what the thawed did not run
+        else:  # no drain expected: the thawed ran it all, up to their thawed time
+            given = min(busy, sum(thawed_time.values())) if ran > EPS else 0.0
         for key, seconds in running.items():
-            out[key] = seconds * scale
-        self._credit_drains(busy - ran * scale, draining, out)
+            out[key] = given * seconds / ran
+        self._credit_drains(busy - given, draining, out)
         for d in self._drains:
             if any(o is not d and o.at < d.until and d.at < o.until for o in self._drains):
                 d.clean = False  # two drains at once: whose the busy time was is a guess
-        self._learn(thawed_at_start, thawed_time, busy, end_s - start)
+        self._learn(thawed_time, draining, busy, end_s - start)
         self._learn_idle(thawed_time, out, end_s - start)
         return {k: v for k, v in out.items() if v > EPS}
 
@@ -245,7 +247,9 @@ class Attribution(Generic[K]):
             self._drains.append(_Drain(key, at, expected, clean=clean, until=until))
             self._last_frozen = key
 
-    def _learn(self, thawed_at_start: set[K], thawed_time: Mapping[K, float], busy: float, span: float) -> None:
+    def _learn(
+        self, thawed_time: Mapping[K, float], draining: Mapping[K, float], busy: float, span: float
+    ) -> None:
         """A drain is over once the wait after it is (the next thaw is replayed), or the GPU
         went quiet with nobody thawed: measured if it was alone. One container thawed in the
         period and nobody else: whether it has work (a quiet period says it has none), and
@@ -268,8 +272,9 @@ class Attribution(Generic[K]):
         model = self.model(key)
         if quiet:
             return  # an idle stretch says nothing about how busy it keeps the GPU with work
-        if key in thawed_at_start and seconds >= span - EPS and not self._drains:
-            model.rate += LEARN * (min(1.0, busy / span) - model.rate)
+        if seconds >= 0.5 * span and not self._drains and not any(v > EPS for v in draining.values()):
+            # Nobody else ran or drained in the period: its busy time was this one's.
+            model.rate += LEARN * (min(1.0, busy / seconds) - model.rate)
 
     # Predicting -----------------------------------------------------------------------------
     def project(self, until: float) -> dict[K, float]:
