@@ -36,6 +36,7 @@ DRAINS_KEPT = 16  # a container's drain figures are over its last this many
 HIGH_QUANTILE = 0.8  # its long drain: this quantile of the recent ones
 QUIET = 0.02  # a period busy less than this share of it: the GPU went quiet
 ACTIVE_S = 0.001  # a container credited less than this in a period did not run in it
+DRAIN_FLOOR_S = 0.002  # a frozen container is expected to run at least this (one short kernel)
 WORKED_S = 0.005  # a frozen container credited this much in a period had work queued
 TRUNCATED = 0.99  # a drain filling this much of the wait after it may have been cut short...
 WAIT_GROWTH = 1.5  # ...and the next wait is this much longer
@@ -244,7 +245,9 @@ class Attribution(Generic[K]):
             clean = not self._thawed and all(d.until <= at for d in self._drains)
             expected = self.model(key).drain_s if drain is None else drain
             until = at if self._thawed else float("inf")
-            self._drains.append(_Drain(key, at, expected, clean=clean, until=until))
+            # Never expected to run nothing: a drain learned from drains that were never
+            # credited (someone else's was expected instead) would stay at nothing.
+            self._drains.append(_Drain(key, at, max(expected, DRAIN_FLOOR_S), clean=clean, until=until))
             self._last_frozen = key
 
     def _learn(
