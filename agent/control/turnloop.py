@@ -42,6 +42,8 @@ YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yie
 FIGURES_S = 10.0  # duty and cycle: over the turns of this long
 SLOT_S = 0.004  # actions this close together go in one wake-up
 FIRST_DRAIN_WAIT_S = 4.0
+MIN_CYCLE_S = 0.2  # the shortest cycle of turns
+CYCLE_PER_WAIT = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
 SEEN_PERIODS = 2  # a drain is seen over this many device sample periods after it ended  # the longest wait for a container's first drain to show over
 
 IDLE_BALANCE_QUANTA = 0.5  # an idle held container keeps at most this much of a quantum
@@ -277,7 +279,7 @@ class TurnLoop:
         rates = {k: models[k].rate for k in data.accounts if k in models}
         if state.cycle is None or now >= state.cycle.end - SLOT_S:
             start = now if state.cycle is None else max(now, state.cycle.end)
-            state.cycle = Cycle(start, start + self.settings.cycle_s)
+            state.cycle = Cycle(start, start + self._cycle_length(gpu))
         in_flight = {
             k: at + models[k].drain_s for k, at in state.frozen_at.items() if k in models and k in data.accounts
         }
@@ -313,6 +315,21 @@ class TurnLoop:
             state.next_decision = max(start, turn.next_decision)
         state.turn = turn
         state.pending.sort(key=lambda p: (p[0], p[2]))  # freezes first: one runs at a time
+
+    def _cycle_length(self, gpu: int) -> float:
+        """The next cycle: short where the waits between turns are (each turn costs one;
+        short cycles deliver a share evenly, which is what a request's latency sees), at most
+        ``cycle_s``."""
+        state = self._gpus[gpu]
+        models = self.meter.gpus[gpu].attribution.models
+        waits = [
+            models[k].wait_s if k in models and models[k].wait_s is not None else self.settings.cycle_s
+            for k in [*self.meter.gpus[gpu].accounts, *state.yielding]
+        ]
+        # No shorter than a device sample: more turns per sample are more for the record to
+        # tell apart, and no shorter than the sample shows.
+        shortest = min(self.settings.cycle_s, max(MIN_CYCLE_S, self.meter.gpus[gpu].typical_period()))
+        return max(shortest, min(self.settings.cycle_s, CYCLE_PER_WAIT * sum(waits)))
 
     def _guard(self, gpu: int, now: float, starting: set[str]) -> float:
         """How long to wait before thawing ``starting``: until the drains of the others frozen

@@ -150,19 +150,25 @@ class WorkloadStats:
     syncs: int = 0
     requests: int = 0
     latencies_s: list[float] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)  # when each of those was answered
     phases: list[tuple[float, bool]] = field(default_factory=list)  # bursty: (time, now on)
 
-    def latency(self, q: float) -> float | None:
-        """The ``q`` quantile (0..1) of request latency, seconds."""
-        if not self.latencies_s:
+    def latency(self, q: float, since: float | None = None) -> float | None:
+        """The ``q`` quantile (0..1) of request latency, seconds (of the requests answered
+        at ``since`` or later)."""
+        kept = [
+            s for s, at in zip(self.latencies_s, self.answered_at, strict=True) if since is None or at >= since
+        ]
+        if not kept:
             return None
-        ordered = sorted(self.latencies_s)
+        ordered = sorted(kept)
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
-    def record(self, latency: float) -> None:
+    def record(self, latency: float, answered_at: float = 0.0) -> None:
         self.requests += 1
         if len(self.latencies_s) < LATENCIES_KEPT:
             self.latencies_s.append(latency)
+            self.answered_at.append(answered_at)
 
 
 def pattern_program(spec: PatternSpec, stats: WorkloadStats) -> Program:
@@ -223,7 +229,7 @@ def _infer(spec: PatternSpec, stats: WorkloadStats) -> Program:
         stats.launches += k
         now = yield Sync()
         stats.syncs += 1
-        stats.record(now - came)
+        stats.record(now - came, now)
         if spec.clients:
             heapq.heappush(arrivals, now + rng.expovariate(spec.rate / spec.clients))
 
