@@ -322,6 +322,8 @@ class TurnLoop:
         ``cycle_s``."""
         state = self._gpus[gpu]
         models = self.meter.gpus[gpu].attribution.models
+        if len(self.meter.gpus[gpu].accounts) + len(state.yielding) < 2:
+            return self.settings.cycle_s  # nobody to take turns with: no wait to pay for
         waits = [
             models[k].wait_s if k in models and models[k].wait_s is not None else self.settings.cycle_s
             for k in [*self.meter.gpus[gpu].accounts, *state.yielding]
