@@ -1,6 +1,6 @@
 """What the compute-cap controller costs: 8 GPUs x 16 containers at the default period.
 
-Every container is kept busy above its cap (6 % of a GPU each), so all 128 are throttled
+Every container is kept busy above its cap (5 % of a GPU each), so all 128 are throttled
 every period: the worst case, two actuator calls per container per period. The enforcer's
 loop runs in this process for ``--seconds``; its CPU time is read with
 ``time.process_time()``. Side by side in one run:
@@ -47,7 +47,7 @@ from agent.errors import ProcessGoneError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.freezejournal import FreezeJournal
-from agent.platform.gpu.inventory import ProcessSample
+from agent.platform.gpu.inventory import DeviceSample, ProcessSample
 from agent.platform.gpu.sim.backend import SimulatedBackend
 from agent.platform.procfs import ProcFS
 from agent.settings import EnforcementSettings
@@ -55,11 +55,12 @@ from agent.settings import EnforcementSettings
 HZ = os.sysconf("SC_CLK_TCK")
 GPUS = 8
 PER_GPU = 16
-CAP = 6
+CAP = 5  # 16 containers at 6.25 % each: every one over its cap (+1 pp), held
 
 
 class SyntheticSamples:
-    """Each container's process at 10 % every 0.2 s, like a sampling driver."""
+    """Each container's process at 10 % every 0.2 s, like a sampling driver; the device
+    busy throughout (every container over its cap, whoever is thawed: the worst case)."""
 
     def __init__(self) -> None:
         self.pids = {g: [1000 + g * PER_GPU + i for i in range(PER_GPU)] for g in range(GPUS)}
@@ -71,7 +72,11 @@ class SyntheticSamples:
         return [ProcessSample(pid, now_us, 10) for pid in self.pids[index]]
 
     def device_utilization(self, index: int) -> int:
-        return 10 * PER_GPU
+        return 100
+
+    def device_samples(self, index: int, since_us: int) -> list[DeviceSample]:
+        now_us = int(time.time() * 5) * 200_000
+        return [DeviceSample(now_us, 100)] if now_us > since_us else []
 
     def sample_period_s(self, index: int) -> float | None:
         return 0.2

@@ -143,21 +143,6 @@ def phases_of(report: dict[str, object]) -> list[tuple[float, bool]]:
     return [(float(t), bool(on)) for t, on in raw] if isinstance(raw, list) else []
 
 
-def alone_rate(run: Run, settle: float) -> float:
-    """Share of the time a workload alone on the whole GPU keeps it busy with its work (per
-    second of being on, for bursty ones), after ``settle``."""
-    phases = phases_of(run.reports[0]) if run.reports else []
-    skip = int(settle / WINDOW_S)
-    used = run.windows[0][skip:]
-    on = [on_fraction(phases, s, s + WINDOW_S) for s in run.starts[skip : skip + len(used)]]
-    return max(1e-6, min(1.0, sum(used) / 100 / max(sum(on), 1e-9)))
-
-
-def throughput(run: Run, alone: float) -> Run:
-    """The run with each window's use as a share of the throughput alone (``alone``)."""
-    return Run([[w / alone for w in ws] for ws in run.windows], run.starts, run.reports)
-
-
 def score(
     pattern: str,
     name: str,
@@ -198,7 +183,14 @@ def score(
         # asks (an infer server's own gaps between requests are not an error of the cap).
         held = box.policy != "best-effort" and mean_exp < 100 * demand - 1e-9
         rows.append(
-            Row(line + ("" if held else " (not scored)"), err if held else None, box.policy, settled, p99_ms, ideal_ms)
+            Row(
+                line + ("" if held else " (not scored)"),
+                err if held else None,
+                box.policy,
+                settled,
+                p99_ms,
+                ideal_ms,
+            )
         )
     return rows
 
@@ -307,6 +299,9 @@ Runner = Callable[[list[Box], PatternSpec, argparse.Namespace, Path], Run]
 def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
     """The table and RESULT line; ``real`` runs a scenario outside ``--model``."""
     args = parse(argv)
+    # A SIGTERM unwinds like Ctrl-C: each scenario's agent, GPU server and workloads are
+    # stopped and their cgroups removed on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     workdir = Path(tempfile.mkdtemp(prefix="vc-enf-", dir="/tmp"))
     mode = "model (virtual time)" if args.model else "real agent, containers and freezer"
     mps = f", MPS samples per {args.mps_samples}" if args.actuator != "freezer" else ""
@@ -320,40 +315,35 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[Row]] = {}
-    alone: dict[str, float] = {}
     try:
         for pattern in args.pattern.split(","):
             spec = pattern_spec(pattern, args.kernel_ms, args.seed)
-
-            def run(boxes: list[Box], label: str) -> Run:
-                if args.model:
-                    return run_model(boxes, spec, args, WINDOW_S)
-                return real(boxes, spec, args, workdir / f"{pattern}-{label}")
-
-            # The reference a share is of: the same workload alone on the whole GPU.
-            alone[pattern] = alone_rate(run([Box("a", 100, "fixed-share")], "alone"), args.settle)
-            demand = min(1.0, (spec.busy if pattern == "bursty" else spec.demand() or 1.0) / alone[pattern])
+            demand = spec.busy if pattern == "bursty" else spec.demand() or 1.0
             for i, (name, boxes) in enumerate(SCENARIOS):
-                ideal = run_model(boxes, spec, args, WINDOW_S, continuous=True) if pattern == "infer" else None
-                scored = score(
-                    pattern, name, boxes, throughput(run(boxes, str(i)), alone[pattern]),
-                    demand=demand, settle=args.settle, ideal=ideal,
+                ideal = (
+                    run_model(boxes, spec, args, WINDOW_S, continuous=True) if pattern == "infer" else None
                 )
+                if args.model:
+                    run = run_model(boxes, spec, args, WINDOW_S)
+                else:
+                    run = real(boxes, spec, args, workdir / f"{pattern}-{i}")
+                scored = score(pattern, name, boxes, run, demand=demand, settle=args.settle, ideal=ideal)
                 for row in scored:
                     print(row.line, flush=True)
                     rows.setdefault(pattern, []).append(row)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
-        "# used %: throughput, the share of what the same workload gets done alone on the whole GPU "
-        "(alone it keeps the GPU busy "
-        + ", ".join(f"{p} {100 * r:.1f} %" for p, r in alone.items())
-        + " of the time)"
+        "# used %: throughput, the work each container got done (kernel time completed: context "
+        "switches and idle are not work) as a share of the whole GPU's; a workload alone on "
+        "the whole GPU is the burst-share row alone"
     )
     scored = [r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None]
     burn = [r.error_pp for r in rows.get("burn", []) if r.error_pp is not None]
     p99 = [r.p99_ms for r in rows.get("infer", []) if r.p99_ms is not None and r.error_pp is not None]
-    ideal_p99 = [r.ideal_p99_ms for r in rows.get("infer", []) if r.ideal_p99_ms is not None and r.error_pp is not None]
+    ideal_p99 = [
+        r.ideal_p99_ms for r in rows.get("infer", []) if r.ideal_p99_ms is not None and r.error_pp is not None
+    ]
     every = [r.error_pp for rs in rows.values() for r in rs if r.error_pp is not None]
     mps_result = ""
     if args.actuator != "freezer":  # every pattern, burn included; the burn rows alone
@@ -375,7 +365,8 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
         f"max_abs_error_pp={max((abs(r.error_pp or 0) for r in scored), default=0):.1f} "
         f"max_settle_s={max((r.settle_s for r in scored), default=0):.1f} "
         f"burn_error_pp={max(burn, default=0):+.1f} "
-        f"infer_p99_ms={max(p99, default=0):.0f} infer_ideal_p99_ms={max(ideal_p99, default=0):.0f}" + mps_result
+        f"infer_p99_ms={max(p99, default=0):.0f} infer_ideal_p99_ms={max(ideal_p99, default=0):.0f}"
+        + mps_result
     )
     return 0
 

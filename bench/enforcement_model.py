@@ -18,7 +18,7 @@ from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.mpspartition import effective_share, partition_for
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
 PERIOD_S = 0.25
@@ -87,7 +87,12 @@ def continuous_shares(boxes: list[Box]) -> list[float]:
 
 
 def run_model(
-    boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, window_s: float, *, continuous: bool = False
+    boxes: list[Box],
+    spec: PatternSpec,
+    args: argparse.Namespace,
+    window_s: float,
+    *,
+    continuous: bool = False,
 ) -> Run:
     """``continuous``: no agent; each container gets its share of the GPU continuously
     (the engine's MPS partitioning at :func:`continuous_shares`), the ideal a cap is

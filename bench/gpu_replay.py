@@ -45,7 +45,7 @@ from agent.control.actuators import ThrottleTarget
 from agent.control.enforcer import Enforcer
 from agent.domain.usage import GpuUsageEstimator
 from agent.emulators.virtualgpu import VirtualGpuNode
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
 TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpu-traces"
@@ -119,7 +119,9 @@ class Cell:
     def diff(self) -> float:
         """How far the engine is from the recorded figures (0 inside their range)."""
         lo, hi = min(self.recorded), max(self.recorded)
-        return 0.0 if lo <= self.engine <= hi else (self.engine - hi if self.engine > hi else self.engine - lo)
+        return (
+            0.0 if lo <= self.engine <= hi else (self.engine - hi if self.engine > hi else self.engine - lo)
+        )
 
 
 def run_table_scenario(
@@ -229,13 +231,14 @@ class Trace:
     pids: dict[str, int]
 
 
-
 def load_trace(path: Path) -> Trace:
     with gzip.open(path, "rt") as f:
         records = [json.loads(line) for line in f if line.strip()]
     meta = next(r for r in records if r["t"] == "meta")
     rate = meta.get("alone_steps_per_s") or 0.0
-    segments = [Segment(r["name"], float(r["start"]), float(r["end"])) for r in records if r["t"] == "segment"]
+    segments = [
+        Segment(r["name"], float(r["start"]), float(r["end"])) for r in records if r["t"] == "segment"
+    ]
     acts = [(float(r["w"]), str(r["who"]), r["op"] == "thaw") for r in records if r["t"] == "act"]
     proc = []
     for r in records:
@@ -290,8 +293,11 @@ def replay_trace(trace: Trace, config: EngineConfig) -> Trace:
         gpu.add(who, 0, pattern_program(loop, stats[who]))
     begin = clock.monotonic()
     pids = {who: gpu.containers[who].process.pid for who in trace.pids}
-    events = sorted([(w, "act", (who, thaw)) for w, who, thaw in trace.acts] + [(w, "call", None) for w in trace.calls])
-    since, proc, steps = 0, [], {who: [] for who in trace.pids}
+    events = sorted(
+        [(w, "act", (who, thaw)) for w, who, thaw in trace.acts] + [(w, "call", None) for w in trace.calls]
+    )
+    since, proc = 0, []
+    steps: dict[str, list[float]] = {who: [] for who in trace.pids}
     done = {who: 0.0 for who in trace.pids}
     for w, kind, payload in events:
         clock.sleep(max(0.0, begin + (w - t0) - clock.monotonic()))
@@ -327,8 +333,12 @@ def compare_trace(path: Path, config: EngineConfig) -> list[Cell]:
     for segment in recorded.segments:
         real, sim = segment_figures(recorded, segment), segment_figures(engine, segment)
         for who in recorded.pids:
-            cells.append(Cell(f"{recorded.pattern} {segment.name}", who, "nvml", sim[who][0], (real[who][0],)))
-            cells.append(Cell(f"{recorded.pattern} {segment.name}", who, "throughput", sim[who][1], (real[who][1],)))
+            cells.append(
+                Cell(f"{recorded.pattern} {segment.name}", who, "nvml", sim[who][0], (real[who][0],))
+            )
+            cells.append(
+                Cell(f"{recorded.pattern} {segment.name}", who, "throughput", sim[who][1], (real[who][1],))
+            )
     return cells
 
 
@@ -346,11 +356,19 @@ def print_cells(cells: Iterable[Cell]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reference", type=Path, action="append", help="a table or trace (default: all recorded)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--reference", type=Path, action="append", help="a table or trace (default: all recorded)"
+    )
     parser.add_argument("--seeds", default="0,1,2", help="engine seeds averaged per scenario")
-    parser.add_argument("--feedback", choices=("nvml", "device"), default="nvml", help="the controller to replay")
-    parser.add_argument("--nvml-view", choices=("driver", "exact"), default="driver", help="the engine's NVML view")
+    parser.add_argument(
+        "--feedback", choices=("nvml", "device"), default="nvml", help="the controller to replay"
+    )
+    parser.add_argument(
+        "--nvml-view", choices=("driver", "exact"), default="driver", help="the engine's NVML view"
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(nvml_view=args.nvml_view)
     tables, traces = references()
@@ -361,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[Cell] = []
     for path in tables:
         table = load_table(path)
-        print(f"# {path.relative_to(path.parents[2])}: {table.gpu}, driver {table.driver}; {args.feedback} feedback")
+        print(
+            f"# {path.relative_to(path.parents[2])}: {table.gpu}, driver {table.driver}; "
+            f"{args.feedback} feedback"
+        )
         found = replay_table(table, config, seeds, args.feedback)
         print_cells(found)
         cells += found
@@ -374,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     thr = [abs(c.diff) for c in cells if c.what == "throughput"]
     within = sum(1 for c in cells if abs(c.diff) <= TOLERANCE_PP)
     print(
-        f"RESULT max_nvml_diff_pp={max(nvml, default=0):.1f} max_throughput_diff_pp={max(thr, default=0):.1f} "
+        f"RESULT max_nvml_diff_pp={max(nvml, default=0):.1f} "
+        f"max_throughput_diff_pp={max(thr, default=0):.1f} "
         f"cells={len(cells)} within_5pp={within}"
     )
     return 0

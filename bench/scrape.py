@@ -26,8 +26,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from agent.control.deviceguard import GuardStats
 from agent.control.containers import DURATION_BUCKETS_S, ContainerControl, EnforcerStats, GpuView
+from agent.control.deviceguard import GuardStats
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import DutyState
 from agent.domain.health import GpuHealth, XidCounts

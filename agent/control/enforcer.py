@@ -145,7 +145,10 @@ class Enforcer:
         self._act(self.duty.actions(held, index, start), start + self.period_s, stop)
 
     def _act(
-        self, duty_actions: list[tuple[float, ContainerControl, bool]], until: float, stop: threading.Event | None
+        self,
+        duty_actions: list[tuple[float, ContainerControl, bool]],
+        until: float,
+        stop: threading.Event | None,
     ) -> None:
         """Run the duty cycles' actions and the turns' until ``until``, earliest first."""
         queue = [(at, n, control, freeze) for n, (at, control, freeze) in enumerate(duty_actions)]

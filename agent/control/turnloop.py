@@ -41,13 +41,11 @@ ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the 
 YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
 FIGURES_S = 10.0  # duty and cycle: over the turns of this long
 SLOT_S = 0.004  # actions this close together go in one wake-up
-FIRST_DRAIN_WAIT_S = 4.0
+FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a drain to show over in the samples
 MIN_CYCLE_S = 0.2  # the shortest cycle of turns
 CYCLE_PER_WAIT = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
-SEEN_PERIODS = 2  # a drain is seen over this many device sample periods after it ended  # the longest wait for a container's first drain to show over
-
+SEEN_PERIODS = 2  # a drain is seen over this many device sample periods after it ended
 IDLE_BALANCE_QUANTA = 0.5  # an idle held container keeps at most this much of a quantum
-
 
 
 @dataclass
@@ -115,9 +113,7 @@ class TurnLoop:
         state.yielding = {
             c.key
             for c in controls
-            if c.key not in held
-            and held
-            and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
+            if c.key not in held and held and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
         }
         for control in controls:
             control.yielding = control.key in state.yielding
@@ -281,14 +277,24 @@ class TurnLoop:
             start = now if state.cycle is None else max(now, state.cycle.end)
             state.cycle = Cycle(start, start + self._cycle_length(gpu))
         in_flight = {
-            k: at + models[k].drain_s for k, at in state.frozen_at.items() if k in models and k in data.accounts
+            k: at + models[k].drain_s
+            for k, at in state.frozen_at.items()
+            if k in models and k in data.accounts
         }
         for key in data.accounts:  # thawed now: frozen by this decision, its last unit runs on
             control = state.controls.get(key)
             if control is not None and not control.frozen and key in expected:
                 in_flight[key] = now + expected[key]
         turn = next_turn(
-            now, data.accounts, predicted, drains, rates, self.settings, state.cycle, state.order, in_flight
+            now,
+            data.accounts,
+            predicted,
+            drains=drains,
+            rates=rates,
+            settings=self.settings,
+            cycle=state.cycle,
+            order=state.order,
+            in_flight=in_flight,
         )
         owner = turn.key
         stopping = [k for k in data.accounts if k != owner] + (sorted(state.yielding) if owner else [])
@@ -324,10 +330,10 @@ class TurnLoop:
         models = self.meter.gpus[gpu].attribution.models
         if len(self.meter.gpus[gpu].accounts) + len(state.yielding) < 2:
             return self.settings.cycle_s  # nobody to take turns with: no wait to pay for
-        waits = [
-            models[k].wait_s if k in models and models[k].wait_s is not None else self.settings.cycle_s
-            for k in [*self.meter.gpus[gpu].accounts, *state.yielding]
-        ]
+        waits = []
+        for key in [*self.meter.gpus[gpu].accounts, *state.yielding]:
+            wait = models[key].wait_s if key in models else None
+            waits.append(self.settings.cycle_s if wait is None else wait)
         # No shorter than a device sample: more turns per sample are more for the record to
         # tell apart, and no shorter than the sample shows.
         shortest = min(self.settings.cycle_s, max(MIN_CYCLE_S, self.meter.gpus[gpu].typical_period()))

@@ -250,7 +250,9 @@ class TurnMeter:
         age = self._clock.monotonic() - data.fresh_at
         if age <= self._stale_after_s:
             return None
-        return f"no utilization reading for {age:.1f} s" + (f" ({data.last_error})" if data.last_error else "")
+        return f"no utilization reading for {age:.1f} s" + (
+            f" ({data.last_error})" if data.last_error else ""
+        )
 
     def forget(self, gpu: int, key: str) -> None:
         data = self.gpus[gpu]

@@ -289,8 +289,8 @@ class Attribution(Generic[K]):
             out[d.key] = out.get(d.key, 0.0) + max(0.0, d.left)
         thawed = dict(self._thawed)
         t = self.t
-        for at, key, now_thawed, drain in [*self._events, (until, None, False, None)]:
-            at = min(at, until)
+        for event_at, key, now_thawed, drain in [*self._events, (until, None, False, None)]:
+            at = min(event_at, until)
             for k in thawed:
                 out[k] = out.get(k, 0.0) + self.model(k).rate * max(0.0, at - t)
             t = max(t, at)

@@ -21,9 +21,10 @@ its account (a quarter of its quantum, its share of the cycle) takes one turn, t
 furthest behind first, then the unheld containers run until the cycle ends. A turn spends
 the account: the container is thawed for what the account buys less the drain expected
 after the freeze (at least ``min_thaw_s``, which lets one unit of its work in). A container
-in debt (a unit of work longer than its share of a cycle) sits out cycles until it has paid. Nobody waits frozen longer than ``max_wait_s``: a container
-whose unit of work is too long for its share to be repaid within that (a queue of seconds
-refilled at every thaw) still gets a turn then, and is reported as not holdable.
+in debt (a unit of work longer than its share of a cycle) sits out cycles until it has
+paid. Nobody waits frozen longer than ``max_wait_s``: a container whose unit of work is
+too long for its share to be repaid within that (a queue of seconds refilled at every
+thaw) still gets a turn then, and is reported as not holdable.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def next_turn(
     at: float,
     accounts: Mapping[K, Account],
     predicted: Mapping[K, float],
+    *,
     drains: Mapping[K, float],
     rates: Mapping[K, float],
     settings: TurnSettings,

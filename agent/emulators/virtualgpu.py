@@ -22,7 +22,7 @@ from agent.clock import VirtualClock
 from agent.errors import PlatformError
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.inventory import DeviceSample, ProcessSample
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import Program
 from agent.platform.gpu.sim.virtual import VirtualNode, VirtualProcess
 

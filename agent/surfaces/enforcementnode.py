@@ -20,9 +20,9 @@ from agent.control.enforcer import Enforcer
 from agent.control.mpssharing import GpuSharing, MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.dutycontrol import Gains
-from agent.domain.turns import TurnSettings
 from agent.domain.health import HealthBoard
 from agent.domain.specs import EnforcementSpec
+from agent.domain.turns import TurnSettings
 from agent.errors import VcudaError
 from agent.platform.cgroups.layout import UNIFIED
 from agent.platform.freezejournal import FreezeJournal, thaw_everything

@@ -23,7 +23,7 @@ from agent.errors import GpuLostError, SimulationError
 from agent.platform.gpu.inventory import DeviceEvent, EventKind, ProcessMemory
 from agent.platform.gpu.sim.backend import SimulatedBackend
 from agent.platform.gpu.sim.client import Connection, ContextClient, NodeClient, context_times, post_event
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.procfs import ProcFS
 
@@ -192,7 +192,7 @@ def test_a_workloads_samples_reach_the_backend(
     # The driver credits the process its SM activity over the credit window (1 s), which
     # fills up from the idle GPU before it: rising, never over its activity.
     utils = [s.sm_util for s in mine[1:]]  # the first period is partial
-    assert utils == sorted(utils) and 0 < utils[0] and utils[-1] <= round(100 * EngineConfig().sm_activity)
+    assert utils == sorted(utils) and utils[0] > 0 and utils[-1] <= round(100 * EngineConfig().sm_activity)
     assert backend.process_samples(1, stamps[-2])[0] == mine[-1]  # "since" is exclusive
     assert backend.process_memory(1) == [ProcessMemory(burn.pid, 128 * MIB)]
     assert backend.device_utilization(1) == 100

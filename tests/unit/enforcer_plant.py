@@ -12,7 +12,7 @@ from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import Gains
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
 PERIOD = 0.25

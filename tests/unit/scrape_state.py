@@ -10,8 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent.control.deviceguard import GuardStats
 from agent.control.containers import DURATION_BUCKETS_S, ContainerControl, EnforcerStats, GpuView
+from agent.control.deviceguard import GuardStats
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import DutyState
 from agent.domain.health import XidCounts

@@ -11,7 +11,7 @@ from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.errors import NvmlError, PlatformError
 from agent.platform.gpu.inventory import ProcessSample
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec
 from tests.unit.enforcer_plant import PERIOD, Rig, spec
 

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from agent.errors import InvalidSpecError
-from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine, Sample
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.memory import OutOfMemory
+from agent.platform.gpu.sim.perfmon import Sample
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 from agent.platform.gpu.sim.schedule import water_fill
 from agent.platform.gpu.sim.virtual import VirtualNode

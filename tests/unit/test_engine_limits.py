@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine, Sample
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.memory import OutOfMemory
+from agent.platform.gpu.sim.perfmon import Sample
 
 MIB = 1 << 20
 TOL = 1e-6

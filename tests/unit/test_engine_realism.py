@@ -19,7 +19,8 @@ import pytest
 
 from agent.errors import InvalidSpecError
 from agent.platform.gpu.inventory import DeviceSample
-from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.nvmllib import process_utilization
 from agent.platform.gpu.sim.perfmon import NO_PROCESS, Sample
 from agent.platform.gpu.sim.programs import (

@@ -7,7 +7,8 @@ import statistics
 import pytest
 
 from agent.errors import InvalidSpecError
-from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import (
     BURN_BATCH,
     Alloc,

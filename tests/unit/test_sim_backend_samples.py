@@ -18,7 +18,8 @@ from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.inventory import DeviceSample, ProcessSample
 from agent.platform.gpu.sim import backend as backend_module
 from agent.platform.gpu.sim.backend import SimulatedBackend
-from agent.platform.gpu.sim.engine import EngineConfig, GpuEngine
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
 from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode
 from agent.platform.gpu.sim.perfmon import RING_SAMPLES

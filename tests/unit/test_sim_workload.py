@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.errors import InvalidSpecError
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program, with_memory
 from agent.platform.gpu.sim.virtual import VirtualNode
 from agent.platform.gpu.sim.workload import WorkloadSpec, mps_share

@@ -259,3 +259,27 @@ def test_the_dra_driver_state_is_shown_only_under_dra() -> None:
     assert "DRA driver" not in render_status(doc)
     doc["agent"]["dra"] = "registered; prepared claims: 2; slice generation 3, devices: 1"
     assert "DRA driver gpu.vcuda.io: registered; prepared claims: 2" in render_status(doc)
+
+
+def test_a_cap_the_freezer_cannot_hold_gets_a_line_under_its_gpu() -> None:
+    doc = document()
+    held = container_status(
+        namespace="ml",
+        pod="deep-queue",
+        container="main",
+        policy="fixed-share",
+        request_cores=30,
+        cap_percent=30,
+        throttled=True,
+        unholdable="at least 8.0 s of GPU work runs on after every freeze",
+    )
+    doc["gpus"][1]["containers"].append(held)
+    lines = render_status(doc).splitlines()
+    (note,) = [line for line in lines if "cap not holdable" in line]
+    assert (
+        note.strip()
+        == "ml/deep-queue/main: cap not holdable: at least 8.0 s of GPU work runs on after every freeze"
+    )
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("ml/deep-queue/main "))
+    assert lines.index(note) > row
+    assert "cap not holdable" not in render_status(document())

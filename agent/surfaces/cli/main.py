@@ -217,7 +217,7 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.cycle_s,
         metavar="S",
-        help=f"turns: the shortest cycle, each held container takes a turn in each (default {defaults.cycle_s})",
+        help=f"turns: the longest cycle; each held container takes a turn in it (default {defaults.cycle_s})",
     )
     g.add_argument(
         "--control-max-wait",
@@ -240,7 +240,7 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.gain,
         metavar="G",
-        help=f"duty cycles: share of an error within 10 pp one duty update corrects (default {defaults.gain})",
+        help=f"duty cycles: share of an error within 10 pp one update corrects (default {defaults.gain})",
     )
     g.add_argument(
         "--control-max-cycle",

@@ -15,7 +15,7 @@ from agent.errors import InvalidSpecError, VcudaError
 from agent.platform.gpu.inventory import CALL_PROCESS_SAMPLES, PER_GPU_CALLS, EventKind
 from agent.platform.gpu.mpspartition import sm_count_for
 from agent.platform.gpu.sim.client import NodeClient
-from agent.platform.gpu.sim.engine import EngineConfig
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
 from agent.platform.gpu.sim.mpsdaemon import serve_mps
 from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
@@ -62,7 +62,13 @@ def gpu_main(args: argparse.Namespace) -> int:
     gpus = sim_gpus(args.node_name, models)
     slots = tuple(
         SimGpuSlot(
-            g.index, g.uuid, g.model, g.memory_mib, c.sample_period_s, c.mps, c.nvml_aggregation,
+            g.index,
+            g.uuid,
+            g.model,
+            g.memory_mib,
+            c.sample_period_s,
+            c.mps,
+            c.nvml_aggregation,
             ring=c.nvml_view == "driver",
         )
         for g, c in zip(gpus, configs, strict=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.platform.gpu.sim.engine import Context, GpuEngine
+from agent.platform.gpu.sim.context import Context
+from agent.platform.gpu.sim.engine import GpuEngine
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import Any
 
 from agent.errors import PlatformError
 from agent.platform.cgroups.layout import detect_layout
-from agent.platform.gpu.sim.engine import Context, GpuEngine
+from agent.platform.gpu.sim.context import Context
+from agent.platform.gpu.sim.engine import GpuEngine
 from agent.platform.gpu.sim.replies import RequestError, gpu_field
 
 log = logging.getLogger(__name__)

@@ -24,26 +24,21 @@ What it models (design notes §10):
   that would take the processes of a limited cgroup (and its descendants) over the limit
   fails with out-of-memory; nothing is killed.
 - **Ground truth.** Exact GPU time per context and per GPU, to the instant asked.
-- **NVML's view.** Time is cut into sample periods (per model, 1/6 s by default). At the
-  end of each, every context that ran gets one sample: pid, the period's end as a wall
-  timestamp in µs, and the share of the period it ran, rounded to a whole percent; a
-  context that did not run gets none. Samples become visible ``sample_delay_s`` plus up to
-  ``sample_jitter_s`` (seeded) after their period ends, never before an earlier one.
-  Device utilization is the share of the last finished period during which any context
-  ran, visible at once. Memory is what each context allocated, within the GPU's size.
-  Under an attached MPS server NVML attributes the clients' work to the server process
-  (NVIDIA's MPS documentation: "All MPS client behavior will be attributed to the MPS
-  server process by system monitoring and accounting tools"): with ``mps_samples =
-  "server"`` (the default) one sample per period carries the server's pid and the
-  clients' sum; ``"client"`` gives each client its own sample instead (to compare; what
-  a given driver does is to be checked on a GPU). Memory stays per client, as
-  ``nvmlDeviceGetMPSComputeRunningProcesses`` reports it.
+- **NVML's view** (:mod:`.perfmon`, :mod:`.nvmllib`; docs/gpu-model.md): by default as
+  NVIDIA's driver makes it: one per-process sample per sample period crediting the ONE
+  process executing at its end with its SM activity, a ring of 72, visible
+  ``sample_delay_s`` plus up to ``sample_jitter_s`` (seeded) after the period, handed out
+  per call as ``nvml_aggregation`` says; device samples (busy percent of every period)
+  visible at once. Context switches cost ``switch_s`` of busy engine time; a process
+  returns from a sync ``host_wake_s`` late. ``EngineConfig.ideal`` turns all of that off
+  (every context that ran gets its exact share of each period). Under an attached MPS
+  server NVML attributes the clients' work to the server process (NVIDIA's MPS
+  documentation; seen on an H200), ``mps_samples="client"`` to each client. Memory stays
+  per client, as ``nvmlDeviceGetMPSComputeRunningProcesses`` reports it.
 
 Not modelled: memory-bandwidth or cache interference between contexts, SM placement and
-occupancy (a kernel uses the whole GPU, or its MPS share, for its duration), context
-switch cost, host-device copies as separate engines, clocks and power, MIG. Under MPS a
-client's sample is its share of the GPU's capacity; what a real driver reports per MPS
-client is to be checked on a GPU (see above).
+occupancy (a kernel uses the whole GPU, or its MPS share, for its duration), host-device
+copies as separate engines, clocks and power, MIG.
 
 The engine keeps no clock of its own: every call passes ``now`` (seconds, one monotonic
 clock), so tests run it in virtual time. Nothing here blocks or burns CPU: work is
@@ -52,172 +47,17 @@ accounted for when someone asks, from the schedule functions.
 
 from __future__ import annotations
 
-import collections
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
-from agent.errors import InvalidSpecError
-from agent.platform.gpu.sim.memory import check_allocation
-from agent.platform.gpu.sim.nvmllib import AGGREGATIONS, process_utilization
 from agent.platform.gpu.inventory import DeviceSample
-from agent.platform.gpu.sim.perfmon import (
-    NO_PROCESS,
-    NVML_VIEWS,
-    SAMPLE_CREDITS,
-    PeriodUse,
-    Perfmon,
-    Sample,
-)
+from agent.platform.gpu.sim.context import Context, ContextTruth
+from agent.platform.gpu.sim.engineconfig import EngineConfig
+from agent.platform.gpu.sim.memory import check_allocation
+from agent.platform.gpu.sim.nvmllib import process_utilization
+from agent.platform.gpu.sim.perfmon import NO_PROCESS, Perfmon, PeriodUse, Sample
 from agent.platform.gpu.sim.schedule import EPS, RoundRobin, Served, serve_concurrent
-from agent.platform.gpu.sim.spec import DEFAULT_SAMPLE_PERIOD_S
-
-MAX_SAMPLE_PERIOD_S = 1.0
-MPS_SAMPLES = ("server", "client")  # whom NVML credits with an MPS client's work
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The physics of one simulated GPU."""
-
-    memory_bytes: int = 80 * 1024**3
-    timeslice_s: float = 0.002  # time-slicing between contexts without MPS
-    sample_period_s: float = DEFAULT_SAMPLE_PERIOD_S  # NVML's per-process sample period
-    sample_delay_s: float = 0.25  # a sample becomes visible this long after its period ends...
-    sample_jitter_s: float = 0.25  # ...plus up to this much more (uniform, seeded)
-    queue_depth: int = 1024  # launches a context's queue holds before a launch blocks
-    mps: bool = False  # clients run concurrently, each within its active-thread percentage
-    mps_samples: str = "server"  # under an attached MPS server: "server" or "client" samples
-    sm_count: int | None = 132  # MPS shares are whole TPCs of these SMs (None: as given)
-    seed: int = 0
-    nvml_view: str = "driver"  # "driver": as NVIDIA's driver samples; "exact": the ideal (perfmon.py)
-    nvml_aggregation: str = "per-sample"  # what NVML makes of the driver's samples (nvmllib.py)
-    sm_activity: float = 0.867  # SM activity a context's kernels show (an H100 matmul loop's)
-    switch_s: float = 0.00025  # a time-slice switch between contexts: busy, no work done
-    sample_credit: str = "resident"  # what a driver sample credits its process with (perfmon.py)
-    credit_window_s: float = 1.0  # ...averaged over this much time ("resident")
-    host_wake_s: float = 0.00005  # after a sync, the host thread runs again this much later (mean)
-
-    @classmethod
-    def ideal(cls, **fields: Any) -> EngineConfig:
-        """The engine without the hardware's inconveniences: free context switches and host
-        wake-ups, SM activity of 1 and NVML's exact view (the comparison the realistic
-        default is measured against; tests of queue mechanics)."""
-        base: dict[str, Any] = {"switch_s": 0.0, "host_wake_s": 0.0, "sm_activity": 1.0, "nvml_view": "exact"}
-        return cls(**(base | fields))
-
-    def problems(self) -> list[str]:
-        """Every invalid field, named."""
-        found = []
-        if self.memory_bytes <= 0:
-            found.append(f"GPU memory must be > 0, got {self.memory_bytes}")
-        if not 0.0001 <= self.timeslice_s <= 1.0:
-            found.append(f"timeslice must be 0.1..1000 ms, got {self.timeslice_s * 1000:g} ms")
-        if not 0.01 <= self.sample_period_s <= MAX_SAMPLE_PERIOD_S:
-            found.append(f"sample period must be 0.01..1 s, got {self.sample_period_s:g} s")
-        if not 0 <= self.sample_delay_s <= 30:
-            found.append(f"sample delay must be 0..30 s, got {self.sample_delay_s:g} s")
-        if not 0 <= self.sample_jitter_s <= 30:
-            found.append(f"sample jitter must be 0..30 s, got {self.sample_jitter_s:g} s")
-        if not 1 <= self.queue_depth <= 1_000_000:
-            found.append(f"queue depth must be 1..1000000 launches, got {self.queue_depth}")
-        if self.mps_samples not in MPS_SAMPLES:
-            found.append(f"MPS samples must be one of {', '.join(MPS_SAMPLES)}, got {self.mps_samples!r}")
-        if self.nvml_view not in NVML_VIEWS:
-            found.append(f"NVML view must be one of {', '.join(NVML_VIEWS)}, got {self.nvml_view!r}")
-        if self.nvml_aggregation not in AGGREGATIONS:
-            found.append(
-                f"NVML aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.nvml_aggregation!r}"
-            )
-        if not 0.01 <= self.sm_activity <= 1.0:
-            found.append(f"SM activity must be 0.01..1, got {self.sm_activity:g}")
-        if self.sample_credit not in SAMPLE_CREDITS:
-            found.append(f"sample credit must be one of {', '.join(SAMPLE_CREDITS)}, got {self.sample_credit!r}")
-        if not 0 < self.credit_window_s <= 10:
-            found.append(f"credit window must be > 0 and <= 10 s, got {self.credit_window_s:g} s")
-        if not 0 <= self.host_wake_s <= 0.1:
-            found.append(f"host wake-up must be 0..100 ms, got {self.host_wake_s * 1000:g} ms")
-        if not 0 <= self.switch_s <= 0.1:
-            found.append(f"context switch must be 0..100 ms, got {self.switch_s * 1000:g} ms")
-        return found
-
-    def validate(self) -> None:
-        found = self.problems()
-        if found:
-            raise InvalidSpecError("; ".join(found))
-
-
-@dataclass(frozen=True)
-class ContextTruth:
-    """Exact figures for one context."""
-
-    pid: int
-    start_ticks: int
-    ran_s: float  # GPU time executed since the context was created
-    queued: int  # launches waiting or running
-    pending_s: float  # GPU time still queued
-    memory_bytes: int
-
-
-@dataclass
-class Context:
-    """One process's context on the GPU."""
-
-    cid: int
-    pid: int
-    start_ticks: int
-    share: float = 1.0  # MPS active-thread fraction (0..1]
-    mps_client: bool = False  # runs under the GPU's attached MPS server
-    memory_limit: int | None = None  # bytes: MPS pinned device-memory limit
-    cgroup: str = ""  # the process's cgroup v2 directory (full path), for per-cgroup limits
-    sm_activity: float = 1.0  # the SM activity its kernels show while they run (perfmon.py)
-    groups: collections.deque[list[float]] = field(default_factory=collections.deque)  # [count, seconds each]
-    head_done: float = 0.0  # GPU time already spent on the first queued launch
-    queued: int = 0
-    pending: float = 0.0
-    ran: float = 0.0
-    period_ran: float = 0.0
-    memory_bytes: int = 0
-
-    def consume(self, amount: float) -> None:
-        """``amount`` seconds of this context's queue executed."""
-        if amount <= 0:
-            return
-        self.ran += amount
-        self.period_ran += amount
-        while amount > EPS and self.groups:
-            head = self.groups[0]
-            each = head[1]
-            left = each - self.head_done
-            if amount < left - EPS:
-                self.head_done += amount
-                amount = 0.0
-                break
-            amount -= left
-            self.head_done = 0.0
-            done = 1 + min(int(head[0]) - 1, int((amount + EPS) // each) if each > 0 else int(head[0]) - 1)
-            amount -= (done - 1) * each
-            head[0] -= done
-            self.queued -= done
-            if head[0] <= 0:
-                self.groups.popleft()
-        if not self.groups:
-            self.queued, self.pending, self.head_done = 0, 0.0, 0.0
-        else:
-            self.pending = max(0.0, sum(c * e for c, e in self.groups) - self.head_done)
-
-    def time_to_complete(self, launches: int) -> float:
-        """GPU time until the first ``launches`` queued launches are done."""
-        total, count = -self.head_done, 0
-        for c, each in self.groups:
-            take = min(int(c), launches - count)
-            total += take * each
-            count += take
-            if count >= launches:
-                break
-        return max(0.0, total)
 
 
 class GpuEngine:
@@ -389,7 +229,10 @@ class GpuEngine:
                 # Idle: the whole periods up to ``now`` did nothing; record them at once.
                 current = int((now - self._origin) / period)
                 if current > self._period:
-                    ends = [self._origin + (k + 1) * period for k in range(max(self._period, current - 4096), current)]
+                    ends = [
+                        self._origin + (k + 1) * period
+                        for k in range(max(self._period, current - 4096), current)
+                    ]
                     self.perfmon.record_idle([(self._stamp(e), e, self._visible(e)) for e in ends], period)
                     self._period = current
                     self.now = max(self.now, self._origin + current * period)

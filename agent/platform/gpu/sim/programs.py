@@ -157,7 +157,9 @@ class WorkloadStats:
         """The ``q`` quantile (0..1) of request latency, seconds (of the requests answered
         at ``since`` or later)."""
         kept = [
-            s for s, at in zip(self.latencies_s, self.answered_at, strict=True) if since is None or at >= since
+            s
+            for s, at in zip(self.latencies_s, self.answered_at, strict=True)
+            if since is None or at >= since
         ]
         if not kept:
             return None

@@ -28,8 +28,10 @@ from agent.errors import PlatformError, SimulationError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.mpspartition import effective_share
 from agent.platform.gpu.sim.calls import BlockedCall
+from agent.platform.gpu.sim.context import Context
 from agent.platform.gpu.sim.driverstate import DriverState
-from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.memory import OutOfMemory
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir
 from agent.platform.gpu.sim.protocol import LineBuffer, decode, encode

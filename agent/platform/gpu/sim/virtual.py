@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agent.platform.gpu.sim.calls import BlockedCall
-from agent.platform.gpu.sim.engine import Context, EngineConfig, GpuEngine
+from agent.platform.gpu.sim.context import Context
+from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.memory import OutOfMemory
 from agent.platform.gpu.sim.programs import Alloc, GraphLaunch, Launch, Op, Program, Sleep, Sync
 
