@@ -232,7 +232,8 @@ def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, work
         running = []
         for box in boxes:
             report = workdir / f"{box.name}.json"
-            extra = (*workload_args(spec), "--report", str(report))
+            # Latency after settling, as the error.
+            extra = (*workload_args(spec), "--report", str(report), "--latency-after", f"{args.settle:g}")
             running.append(
                 node.run_pod(f"pod-{box.name}", box.cores, annotations={POLICY: box.policy}, extra=extra)
             )

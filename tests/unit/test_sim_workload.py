@@ -8,7 +8,7 @@ from agent.errors import InvalidSpecError
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program, with_memory
 from agent.platform.gpu.sim.virtual import VirtualNode
-from agent.platform.gpu.sim.workload import WorkloadSpec, mps_share
+from agent.platform.gpu.sim.workload import WorkloadSpec, mps_share, report
 
 MIB = 1 << 20
 
@@ -58,3 +58,18 @@ def test_growth_past_the_gpu_fails_like_cuda() -> None:
     node.run_until(1.0)
     assert proc.done and "out of memory" in proc.error
     assert node.engines[0].memory() == {}
+
+
+def test_the_report_leaves_out_requests_answered_before_latency_after() -> None:
+    stats = WorkloadStats(started_at=100.0)
+    for i in range(5):
+        stats.record(2.0, answered_at=101.0 + i / 10)  # start-up: slow
+    for i in range(95):
+        stats.record(0.1, answered_at=106.0 + i)
+    spec = WorkloadSpec(gpu=0, pattern=PatternSpec("infer"), latency_after_s=5.0)
+    got = report(spec, stats)
+    assert (got["latency_p50_ms"], got["latency_p99_ms"], got["requests"]) == (100.0, 100.0, 100)
+    everything = report(WorkloadSpec(gpu=0, pattern=PatternSpec("infer")), stats)
+    assert everything["latency_p99_ms"] == 2000.0
+    with pytest.raises(InvalidSpecError, match="--latency-after must be >= 0"):
+        WorkloadSpec(gpu=0, latency_after_s=-1).validate()

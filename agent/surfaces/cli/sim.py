@@ -138,6 +138,7 @@ def workload_main(args: argparse.Namespace) -> int:
         grow_after_s=args.grow_after,
         driver_ioctls=args.driver_ioctls,
         progress=Path(args.progress) if args.progress else None,
+        latency_after_s=args.latency_after,
     )
     try:
         stats = run_workload(Path(args.sim_state_dir), spec, stop)
@@ -303,6 +304,14 @@ def add_parsers(
     )
     p.add_argument(
         "--report", metavar="FILE", help="write what it did (requests, latency p50/p99) as JSON at exit"
+    )
+    p.add_argument(
+        "--latency-after",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the report's latency p50/p99 over requests answered at least S seconds after the start "
+        "(default 0: all)",
     )
     p.add_argument(
         "--progress",

@@ -152,6 +152,7 @@ class WorkloadStats:
     latencies_s: list[float] = field(default_factory=list)
     answered_at: list[float] = field(default_factory=list)  # when each of those was answered
     phases: list[tuple[float, bool]] = field(default_factory=list)  # bursty: (time, now on)
+    started_at: float | None = None  # the program's clock when it started (a real workload's)
 
     def latency(self, q: float, since: float | None = None) -> float | None:
         """The ``q`` quantile (0..1) of request latency, seconds (of the requests answered

@@ -53,6 +53,7 @@ class WorkloadSpec:
     grow_after_s: float = 0.0
     driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (driver.py)
     progress: Path | None = None  # append each step's completion wall time here (--progress)
+    latency_after_s: float = 0.0  # latency percentiles over requests answered after this long
 
     def validate(self) -> None:
         problems = self.pattern.problems()
@@ -62,6 +63,8 @@ class WorkloadSpec:
             problems.append(f"--duration must be > 0, got {self.duration_s}")
         if self.grow_to_mib is not None and self.grow_to_mib < 0:
             problems.append(f"--grow-to-mib must be >= 0, got {self.grow_to_mib}")
+        if self.latency_after_s < 0:
+            problems.append(f"--latency-after must be >= 0, got {self.latency_after_s}")
         if self.grow_after_s < 0:
             problems.append(f"--grow-after must be >= 0, got {self.grow_after_s}")
         if problems:
@@ -110,7 +113,7 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
     spec.validate()
     root = SimNodeDir(state_dir)
     root.read_node().gpu(spec.gpu)  # a clear error for a node or GPU that is not there
-    stats = WorkloadStats()
+    stats = WorkloadStats(started_at=time.monotonic())
     ctx = ContextClient(
         root.socket,
         spec.gpu,
@@ -202,7 +205,8 @@ def _execute(
 
 def report(spec: WorkloadSpec, stats: WorkloadStats) -> dict[str, Any]:
     """What the workload did, as ``--report`` writes it."""
-    p50, p99 = stats.latency(0.5), stats.latency(0.99)
+    since = None if stats.started_at is None else stats.started_at + spec.latency_after_s
+    p50, p99 = stats.latency(0.5, since), stats.latency(0.99, since)
     return {
         "pid": os.getpid(),
         "pattern": spec.pattern.pattern,
