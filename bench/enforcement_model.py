@@ -100,6 +100,7 @@ def run_model(
     clock = VirtualClock()
     gpu = VirtualGpuNode(clock, [engine_config(args)])
     specs = [box_spec(b) for b in boxes]
+    mps = continuous or args.actuator in ("mps", "auto")  # the engine can always run MPS
     enforcer = Enforcer(
         gpus=[0],
         samples=gpu,
@@ -110,9 +111,9 @@ def run_model(
         period_s=PERIOD_S,
         clock=clock,
         enabled=not continuous,
+        concurrent=lambda _gpu: mps,  # MPS clients run at once: duty cycles, not turns
     )
     stats = [WorkloadStats() for _ in boxes]
-    mps = continuous or args.actuator in ("mps", "auto")  # the engine can always run MPS
     if mps:
         gpu.node.engines[0].attach_mps_server(MPS_SERVER_PID, clock.monotonic())
     ideal = continuous_shares(boxes)
