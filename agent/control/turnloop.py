@@ -101,9 +101,13 @@ class TurnLoop:
         used = {c.key: self.meter.used(gpu, c.key, USED_WINDOW_S) for c in controls}
         recent = {c.key: self.meter.used(gpu, c.key, ENTER_WINDOW_S) for c in controls}
         models = data.attribution.models
-        active = {c.key for c in controls if self._active(gpu, c.key)}
         # A held container with work waits for its turns: it is active however seldom they come.
-        active |= {k for k in data.accounts if k in used and not (k in models and models[k].idle)}
+        active = {
+            c.key
+            for c in controls
+            if (c.key in data.accounts and not (c.key in models and models[c.key].idle))
+            or self._active(gpu, c.key, recent[c.key])
+        }
         for control in controls:
             control.used = used[control.key] or 0.0
             control.goal = self._target(control, active)
@@ -126,12 +130,12 @@ class TurnLoop:
             state.next_decision = min(state.next_decision, now)  # the drains showed: go on
         return [c for c in controls if c.key in held or c.key in state.yielding]
 
-    def _active(self, gpu: int, key: str) -> bool:
-        """Whether the container uses the GPU now: over the last second, or over two of its
-        units of work where those are longer (steps of seconds come in bursts)."""
+    def _active(self, gpu: int, key: str, recent: float | None) -> bool:
+        """Whether the container uses the GPU now: over the last second (``recent``), or over
+        two of its units of work where those are longer (steps of seconds come in bursts)."""
         model = self.meter.gpus[gpu].attribution.models.get(key)
-        unit = model.drain_max_s if model is not None else 0.0
-        used = self.meter.used(gpu, key, min(USED_WINDOW_S, max(ENTER_WINDOW_S, 2 * unit)))
+        window = min(USED_WINDOW_S, max(ENTER_WINDOW_S, 2 * model.drain_max_s if model is not None else 0.0))
+        used = recent if window == ENTER_WINDOW_S else self.meter.used(gpu, key, window)
         return used is not None and used >= ACTIVE_PERCENT
 
     def _used_lately(self, gpu: int, key: str) -> bool:

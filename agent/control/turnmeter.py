@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Reversible, Sequence
 from dataclasses import dataclass, field
 
 from agent.clock import Clock
@@ -223,9 +223,7 @@ class TurnMeter:
         data = self.gpus[gpu]
         if data.last_stamp_s is None:
             return None
-        since = data.last_stamp_s - window_s
-        history = data.work.get(key, ())
-        return 100 * sum(s for end, s in history if end > since) / window_s
+        return 100 * _recent_sum(data.work.get(key, ()), data.last_stamp_s - window_s) / window_s
 
     def credited(self, gpu: int, key: str, window_s: float) -> bool:
         """Whether NVML credited the container with GPU use in the last ``window_s``."""
@@ -237,8 +235,7 @@ class TurnMeter:
         data = self.gpus[gpu]
         if data.last_stamp_s is None:
             return None
-        since = data.last_stamp_s - window_s
-        return 100 * sum(s for end, s in data.busy if end > since) / window_s
+        return 100 * _recent_sum(data.busy, data.last_stamp_s - window_s) / window_s
 
     def stale(self, gpu: int) -> str | None:
         """Why the GPU's figures cannot be acted on now (None: they can)."""
@@ -260,3 +257,14 @@ class TurnMeter:
         data.accounts.pop(key, None)
         data.work.pop(key, None)
         data.free.discard(key)
+
+
+def _recent_sum(history: Reversible[tuple[float, float]], since: float) -> float:
+    """The seconds of a time-ordered (end, seconds) history that end after ``since``,
+    newest first (a window is a small tail of the history)."""
+    total = 0.0
+    for end, seconds in reversed(history):
+        if end <= since:
+            break
+        total += seconds
+    return total
