@@ -29,6 +29,10 @@ setup: host $(STAMP)
 demo: setup
 	$(VENV)/bin/vcuda-agent demo
 
+# Two workers, a test file each at a time: most tests wait on real time (agents, GPU servers,
+# containers), so two files share this 2-core machine well; a file's tests stay in order.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
