@@ -184,6 +184,10 @@ class SharingSettings:
     container_log_dir: str = "/run/vcuda-mps/log"
     ready_timeout_s: float = 3.0  # Allocate waits this long for a daemon's control socket
     idle_stop_s: float = 60.0  # a daemon whose GPU holds no share this long is stopped
+    # MPS limits a tenant can lift (its own environment, the control socket it must reach) are
+    # used only when asked (--mps-advisory-limits, node config mpsAdvisoryLimits): otherwise
+    # the freezer holds those shares.
+    advisory_limits: bool = False
 
 
 DEFAULT_PLUGINS_REGISTRY = Path("/var/lib/kubelet/plugins_registry")

@@ -22,11 +22,16 @@ its use per second of being on, against the target.
     sudo .venv/bin/python bench/enforcement.py [--pattern train,infer,graph,bursty,burn]
         [--sample-period S] [--timeslice-ms MS] [--kernel-ms MS] [--seed N] [--seconds S]
         [--sample-delay S] [--sample-jitter S] [--settle S] [--model]
-        [--actuator freezer|mps|auto] [--mps-samples server|client]
+        [--actuator freezer|mps|auto [--mps-advisory-limits]] [--mps-samples server|client]
 
 ``--actuator mps`` (or ``auto``, the same on the engine, which can always run MPS) runs the
-agent in sharing mode mps: each container is an MPS client at its ceiling's whole TPCs, the
-duty cycles on top; ``--mps-samples`` says whom NVML credits with an MPS client's work.
+agent in sharing mode mps. As the product does by default, that uses no MPS limit a tenant
+can lift, i.e. none on this driver: the freezer holds the shares. With
+``--mps-advisory-limits`` each container is an MPS client at its ceiling's whole TPCs, the
+duty cycles on top; ``--mps-samples`` says whom NVML credits with an MPS client's work. Both
+add the scenario of a tenant with 10 cores that sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 in
+its own env beside fixed 50 and fixed 40 (RESULT ``mps_cheat_gain_pp``: its use over its
+grant; its rows are left out of every other figure).
 
 Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infer_p99_ms=...``
 (max_abs_error_pp and max_settle_s over every capped container of every pattern but burn),
@@ -47,7 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from enforcement_model import Box, Run, run_model
@@ -73,6 +78,13 @@ SCENARIOS: list[tuple[str, list[Box]]] = [
     ("burst 30 + burst 50", [Box("a", 30, "burst-share"), Box("b", 50, "burst-share")]),
     ("fixed 40 + best-effort 30", [Box("a", 40, "fixed-share"), Box("b", 30, "best-effort")]),
 ]
+# With --actuator mps/auto: a tenant with 10 cores sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100
+# in its own container beside fixed 50 and fixed 40 (docs/security.md).
+CHEAT = (
+    "cheat 10 + fixed 50 + fixed 40",
+    [Box("t", 10, "fixed-share", cheat=True), Box("a", 50, "fixed-share"), Box("b", 40, "fixed-share")],
+)
+CHEAT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
 
 
 def pattern_spec(pattern: str, kernel_ms: float | None, seed: int) -> PatternSpec:
@@ -136,6 +148,7 @@ class Row:
     settle_s: float
     p99_ms: float | None
     ideal_p99_ms: float | None = None  # the same share delivered continuously
+    cheat: bool = False  # the tenant that lifts its own MPS limit (CHEAT)
 
 
 def phases_of(report: dict[str, object]) -> list[tuple[float, bool]]:
@@ -228,14 +241,19 @@ def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, work
         gpu_args += ["--sample-period", f"{args.sample_period:g}"]
     agent_args: tuple[str, ...] = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
     agent_args = (*agent_args, "--sharing-mode", args.actuator)
+    if args.mps_advisory_limits:
+        agent_args = (*agent_args, "--mps-advisory-limits")
     with enforced_node(workdir, gpu_args=tuple(gpu_args), agent_args=agent_args) as node:
         running = []
         for box in boxes:
             report = workdir / f"{box.name}.json"
             # Latency after settling, as the error.
             extra = (*workload_args(spec), "--report", str(report), "--latency-after", f"{args.settle:g}")
+            env = CHEAT_ENV if box.cheat else None
             running.append(
-                node.run_pod(f"pod-{box.name}", box.cores, annotations={POLICY: box.policy}, extra=extra)
+                node.run_pod(
+                    f"pod-{box.name}", box.cores, annotations={POLICY: box.policy}, extra=extra, env=env
+                )
             )
         windows: list[list[float]] = [[] for _ in boxes]
         starts: list[float] = []
@@ -281,6 +299,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the agent's --sharing-mode: freezer (default), mps or auto (MPS limits, duty cycles on top)",
     )
     parser.add_argument(
+        "--mps-advisory-limits",
+        action="store_true",
+        help="with --actuator mps/auto: the agent's --mps-advisory-limits (MPS limits a tenant can "
+        "lift are used; without it the freezer holds the shares, as the product does by default)",
+    )
+    parser.add_argument(
         "--mps-samples",
         choices=("server", "client"),
         default="server",
@@ -320,7 +344,8 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
         for pattern in args.pattern.split(","):
             spec = pattern_spec(pattern, args.kernel_ms, args.seed)
             demand = spec.busy if pattern == "bursty" else spec.demand() or 1.0
-            for i, (name, boxes) in enumerate(SCENARIOS):
+            scenarios = SCENARIOS + ([CHEAT] if args.actuator != "freezer" else [])
+            for i, (name, boxes) in enumerate(scenarios):
                 ideal = (
                     run_model(boxes, spec, args, WINDOW_S, continuous=True) if pattern == "infer" else None
                 )
@@ -329,9 +354,9 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
                 else:
                     run = real(boxes, spec, args, workdir / f"{pattern}-{i}")
                 scored = score(pattern, name, boxes, run, demand=demand, settle=args.settle, ideal=ideal)
-                for row in scored:
+                for box, row in zip(boxes, scored, strict=True):
                     print(row.line, flush=True)
-                    rows.setdefault(pattern, []).append(row)
+                    rows.setdefault(pattern, []).append(replace(row, cheat=box.cheat))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
@@ -339,13 +364,15 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
         "switches and idle are not work) as a share of the whole GPU's; a workload alone on "
         "the whole GPU is the burst-share row alone"
     )
-    scored = [r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None]
+    scored = [
+        r for p, rs in rows.items() if p != "burn" for r in rs if r.error_pp is not None and not r.cheat
+    ]
     burn = [r.error_pp for r in rows.get("burn", []) if r.error_pp is not None]
     p99 = [r.p99_ms for r in rows.get("infer", []) if r.p99_ms is not None and r.error_pp is not None]
     ideal_p99 = [
         r.ideal_p99_ms for r in rows.get("infer", []) if r.ideal_p99_ms is not None and r.error_pp is not None
     ]
-    every = [r.error_pp for rs in rows.values() for r in rs if r.error_pp is not None]
+    every = [r.error_pp for rs in rows.values() for r in rs if r.error_pp is not None and not r.cheat]
     mps_result = ""
     if args.actuator != "freezer":  # every pattern, burn included; the burn rows alone
         worst_burn = max(burn, key=abs, default=0.0)
@@ -353,13 +380,15 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
             abs(r.error_pp)
             for rs in rows.values()
             for r in rs
-            if r.error_pp is not None and r.policy == "fixed-share"
+            if r.error_pp is not None and r.policy == "fixed-share" and not r.cheat
         ]
+        cheats = [r.error_pp for rs in rows.values() for r in rs if r.cheat and r.error_pp is not None]
         mps_result = (
             f" mps_max_abs_error_pp={max(map(abs, every), default=0):.1f} mps_burn_error_pp={worst_burn:+.1f}"
             # how far any container fell below what it is owed (its guarantee), whatever others got
             f" mps_max_shortfall_pp={max((-e for e in every), default=0):.1f}"
             f" mps_fixed_max_abs_error_pp={max(fixed, default=0):.1f}"
+            f" mps_cheat_gain_pp={max(cheats, default=0):+.1f}"
         )
     print(
         "RESULT "

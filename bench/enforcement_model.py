@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
 from agent.control.enforcer import Enforcer
+from agent.control.mpssharing import mps_ceiling
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
@@ -33,6 +34,7 @@ class Box:
     name: str
     cores: int
     policy: str
+    cheat: bool = False  # sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 in its own env
 
 
 @dataclass
@@ -100,7 +102,9 @@ def run_model(
     clock = VirtualClock()
     gpu = VirtualGpuNode(clock, [engine_config(args)])
     specs = [box_spec(b) for b in boxes]
-    mps = continuous or args.actuator in ("mps", "auto")  # the engine can always run MPS
+    # The engine can always run MPS; the product uses its limits only where it may (they are
+    # advisory on every driver: agent.control.mpssharing), else the freezer holds the shares.
+    mps = continuous or (args.actuator in ("mps", "auto") and args.mps_advisory_limits)
     enforcer = Enforcer(
         gpus=[0],
         samples=gpu,
@@ -118,8 +122,11 @@ def run_model(
         gpu.node.engines[0].attach_mps_server(MPS_SERVER_PID, clock.monotonic())
     ideal = continuous_shares(boxes)
     for n, (box, box_spec_, box_stats) in enumerate(zip(boxes, specs, stats, strict=True)):
-        # What Allocate hands out: the ceiling's whole TPCs (agent.control.mpssharing).
-        share = effective_share(partition_for(box_spec_.ceiling or 100, H100_SMS).percent, H100_SMS)
+        # What Allocate hands out: the ceiling's whole TPCs (agent.control.mpssharing), which
+        # a cheat replaces with 100 in its own env (the daemon's default of 100 lets it).
+        fixed_others = sum(b.cap or 0 for b in specs if b is not box_spec_ and b.policy is Policy.FIXED_SHARE)
+        ceiling = mps_ceiling(box_spec_, fixed_others)
+        share = 1.0 if box.cheat else effective_share(partition_for(ceiling, H100_SMS).percent, H100_SMS)
         if continuous:
             share = ideal[n]
         gpu.add(box.name, 0, pattern_program(spec, box_stats), share=share if mps else 1.0, mps_client=mps)

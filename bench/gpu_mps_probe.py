@@ -13,11 +13,19 @@
 5. Whether the driver has ``nvmlDeviceSetMemoryLimits_v1`` (agent.platform.gpu.nvml_limits).
 6. With ``--curve``: one client alone at each of 10..100 %, its throughput over the alone-rate
    (how throughput follows the percentage: TPC rounding, wave quantization).
+7. With ``--tricks`` (issue 24: what a tenant can do to the real daemon): the daemon's
+   default set to 30 through its control socket, then a client that sets 100 in its own
+   environment; a client in its own mount namespace that sees the pipe directory read-only,
+   as a container does (does it still work?); and that client raising
+   ``set_active_thread_percentage <server> 100`` through the read-only socket, then a new
+   client's throughput.
 
-    sudo python3 bench/gpu_mps_probe.py [--seconds 6] [--json OUT.json]
+    sudo python3 bench/gpu_mps_probe.py [--seconds 6] [--json OUT.json] [--curve] [--tricks]
 
 Last line: ``RESULT alone30_pct=... alone60_pct=... pair30_pct=... pair60_pct=...
-samples_credit=server|client|none memlimit_fails=yes|no driver_limits=yes|no``.
+samples_credit=server|client|none memlimit_fails=yes|no driver_limits=yes|no`` (with
+``--tricks``, also ``env100_over_default30_pct=... readonly_pipe_client=works|fails
+lifted_by_tenant_pct=...``).
 """
 
 from __future__ import annotations
@@ -144,8 +152,80 @@ def start_daemon(control: str, mps_env: dict[str, str], uuid: str, pipe: Path) -
     return daemon
 
 
+# A client in its own mount namespace that sees the pipe directory read-only (argv: the pipe
+# directory, then the command to run), as a container with the agent's mounts does.
+READ_ONLY_PIPE = r"""
+set -e
+pipe="$1"; shift
+mount --bind "$pipe" "$pipe"
+mount -o remount,bind,ro "$pipe"
+exec "$@"
+"""
+
+
+def control(command: str, lines: list[str], env: dict[str, str], *, read_only: bool = False) -> str:
+    """What ``nvidia-cuda-mps-control`` prints for ``lines`` (read_only: sent from a mount
+    namespace where the pipe directory is read-only)."""
+    argv = [command]
+    if read_only:
+        argv = ["unshare", "-m", "sh", "-c", READ_ONLY_PIPE, "sh", env["CUDA_MPS_PIPE_DIRECTORY"], command]
+    done = subprocess.run(
+        argv, input="\n".join(lines) + "\n", env=env, capture_output=True, text=True, timeout=30
+    )
+    return (done.stdout + done.stderr).strip()
+
+
+def tricks(report: dict[str, Any], seconds: float, work: Path, env: dict[str, str]) -> None:
+    """Step 7 of the module docstring, into ``report["tricks"]`` (issue 24)."""
+    command, full, out = report["mps_control"], report["full_rate"], {}
+    report["tricks"] = out
+    # The default binds servers started later; the running server (earlier clients') too.
+    lines = ["set_default_active_thread_percentage 30"]
+    lines += [
+        f"set_active_thread_percentage {pid} 30" for pid in control(command, ["get_server_list"], env).split()
+    ]
+    out["set_30"] = control(command, lines, env)
+    rate = run_clients([100], seconds, work, env)[0]
+    out["env100_over_default30_pct"] = 100 * rate / full
+    print(f"tricks: default 30, client env 100: {out['env100_over_default30_pct']:.1f} %", flush=True)
+    ro_env = {**env, "VCUDA_PROBE_RO": "1"}
+    try:
+        ro = subprocess.run(
+            ["unshare", "-m", "sh", "-c", READ_ONLY_PIPE, "sh", env["CUDA_MPS_PIPE_DIRECTORY"],
+             sys.executable, "-c", CLIENT_ONCE],
+            env=ro_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        out["readonly_pipe_client"] = "works" if ro.returncode == 0 and "OK" in ro.stdout else "fails"
+        out["readonly_pipe_output"] = (ro.stdout + ro.stderr).strip()[-400:]
+    except (OSError, subprocess.TimeoutExpired) as err:
+        out["readonly_pipe_client"], out["readonly_pipe_output"] = "fails", str(err)
+    print(f"tricks: client with a read-only pipe directory: {out['readonly_pipe_client']}", flush=True)
+    servers = control(command, ["get_server_list"], env).split()
+    out["server_list"] = servers
+    if servers:
+        lines = [f"set_active_thread_percentage {servers[0]} 100"]
+        out["tenant_command"] = control(command, lines, env, read_only=True)
+        out["lifted_by_tenant_pct"] = 100 * run_clients([None], seconds, work, env)[0] / full
+        print(f"tricks: after a tenant's command: {out['lifted_by_tenant_pct']:.1f} %", flush=True)
+
+
+CLIENT_ONCE = r"""
+import torch
+a = torch.randn(1024, 1024, device="cuda")
+torch.cuda.synchronize()
+print("OK", float((a @ a).sum()))
+"""
+
+
 def under_mps(
-    nvml: Any, handle: Any, report: dict[str, Any], seconds: float, work: Path, *, curve: bool = False
+    nvml: Any,
+    handle: Any,
+    report: dict[str, Any],
+    seconds: float,
+    work: Path,
+    *,
+    curve: bool = False,
+    with_tricks: bool = False,
 ) -> None:
     """Steps 2 to 4 of the module docstring, into ``report``."""
     control, uuid, full = report["mps_control"], report["uuid"], report["full_rate"]
@@ -190,6 +270,8 @@ def under_mps(
         )
         report["memlimit"] = (mem.stdout + mem.stderr).strip()[-400:]
         print(f"pinned limit 1024M, 2 GiB asked: {report['memlimit']}", flush=True)
+        if with_tricks:
+            tricks(report, seconds, work, client_env)
     finally:
         subprocess.run([control], input="quit\n", text=True, env=mps_env, timeout=30, check=False)
         try:
@@ -207,6 +289,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--json", help="write everything measured here")
     parser.add_argument("--curve", action="store_true", help="also: throughput alone at 10..100 %")
+    parser.add_argument("--tricks", action="store_true", help="also: what a tenant can do to the daemon")
     args = parser.parse_args()
     import pynvml as nvml  # noqa: PLC0415  (on the GPU machine only)
 
@@ -220,7 +303,7 @@ def main() -> int:
     if report["mps_control"] is None:
         print("RESULT no_mps_control=1")
         return 1
-    under_mps(nvml, handle, report, args.seconds, work, curve=args.curve)
+    under_mps(nvml, handle, report, args.seconds, work, curve=args.curve, with_tricks=args.tricks)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps(report, default=str), flush=True)
@@ -232,8 +315,20 @@ def main() -> int:
         f"pair60_pct={pair[1]:.1f} samples_credit={credit} "
         f"memlimit_fails={'yes' if 'FAILED' in report['memlimit'] else 'no'} "
         f"driver_limits={'yes' if report['driver_limits'] == 'supported' else 'no'}"
+        + _tricks_result(report.get("tricks"))
     )
     return 0
+
+
+def _tricks_result(tricks: dict[str, Any] | None) -> str:
+    if tricks is None:
+        return ""
+    lifted = tricks.get("lifted_by_tenant_pct")
+    return (
+        f" env100_over_default30_pct={tricks['env100_over_default30_pct']:.1f}"
+        f" readonly_pipe_client={tricks['readonly_pipe_client']}"
+        f" lifted_by_tenant_pct={'na' if lifted is None else f'{lifted:.1f}'}"
+    )
 
 
 if __name__ == "__main__":

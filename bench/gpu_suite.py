@@ -19,7 +19,10 @@ rather than started when it would overrun ``--budget-s``:
    the line ``gpu_suite: no NVIDIA driver (...)``, ``RESULT nvidia=absent``, exit code 3.
 2. ``traces`` -> ``traces/trace-<pattern>.jsonl.gz`` (bench/gpu_traces.py; the record
    format in bench/gpu_recording.py).
-3. ``enforce`` -> ``enforcement.json`` and a printed table (bench/gpu_scenarios.py).
+3. ``mps`` -> ``mps-probe.json`` (bench/gpu_mps_probe.py ``--tricks``, a real daemon only:
+   what MPS limits do, and what a tenant can do to them: its own environment, the control
+   socket through a read-only pipe directory; issue 24).
+4. ``enforce`` -> ``enforcement.json`` and a printed table (bench/gpu_scenarios.py).
 
 ``summary.json`` (rewritten as the run goes): files written, parts skipped and why, errors,
 per-stage figures. Nothing else is left under ``--out`` (a lent machine returns at most 8
@@ -46,6 +49,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +67,8 @@ from gpu_inventory import host_facts, nvml_inventory, open_nvml, sim_inventory, 
 from gpu_sources import NvmlSource, SimSource, Source  # noqa: E402
 from gpu_traces import TraceSetup, run_traces  # noqa: E402
 
-STAGES = ("inventory", "traces", "enforce")
+STAGES = ("inventory", "traces", "mps", "enforce")
+MPS_PROBE_S = 90.0  # bench/gpu_mps_probe.py --tricks --seconds 3: about a dozen 3 s clients
 PATTERNS = ("train", "infer", "burn", "graph")
 ENFORCE_SHARE = 0.3  # of the budget left after the inventory, kept for the enforcement stage
 DEPS_TIMEOUT_S = 90.0
@@ -229,6 +234,19 @@ class Run:
         )
         return gpu_scenarios.estimate_s(setup, 1)
 
+    def mps_probe(self) -> None:
+        """Stage 3 (see the module docstring): its own process, its output streamed."""
+        out = self.out / "mps-probe.json"
+        argv = [sys.executable, str(ROOT / "bench" / "gpu_mps_probe.py"), "--seconds", "3", "--tricks"]
+        done = subprocess.run(
+            [*argv, "--json", str(out)], env=self.env, timeout=MPS_PROBE_S + 60, check=False
+        )
+        if out.exists():
+            self.summary.file(out)
+        self.summary.stage("mps", exit_code=done.returncode)
+        if done.returncode != 0:
+            raise RuntimeError(f"gpu_mps_probe.py exited with {done.returncode}")
+
     def traces_written(self) -> int:
         started = self.summary.doc["started_w"]
         found = [p for p in (self.out / "traces").glob("trace-*.jsonl.gz") if p.stat().st_mtime >= started]
@@ -296,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
                 keep = max(run.enforce_estimate(), ENFORCE_SHARE * run.budget.left())
         if "traces" in args.only:
             attempt("traces", 0.0, run.budget, run.summary, lambda: run.traces(keep))
+        if "mps" in args.only:
+            if args.simulate:
+                run.summary.skip("mps", "the MPS probe needs the real daemon and CUDA (a lent GPU)")
+            elif run.budget.fits(MPS_PROBE_S + keep):
+                attempt("mps", MPS_PROBE_S, run.budget, run.summary, run.mps_probe)
+            else:
+                run.summary.skip("mps", "the budget left is kept for the enforcement stage")
         if keep:
             attempt("enforce", run.enforce_estimate(), run.budget, run.summary, run.enforce)
     except Interrupted as stop:

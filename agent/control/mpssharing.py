@@ -1,15 +1,24 @@
 """MPS sharing on the node: which GPUs share through an MPS control daemon, the daemons'
 supervision, and each share's MPS limits, handed out at Allocate.
 
-In ``mps`` mode (``auto``: where the daemon command can run) a GPU's daemon is started at
-the first Allocate of a share on it, kept running (restarted when it dies) while the GPU
-holds shares, and stopped after ``idle_stop_s`` without any. A share gets
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for its ceiling (fixed-share: its cap; burst-share:
-its limit, 100 without one; best-effort: 100), rounded to whole TPCs as the hardware does
+**Only limits a tenant cannot lift are used unless the node says otherwise.** On every
+driver so far (580 measured; design notes §12) a client's MPS limits are advisory: the
+client's own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` is what the daemon applies below its
+default of 100 (a container's env, or the process itself, sets it), and the daemon-side
+settings that would bind it are changed by anyone who reaches the control socket, which
+every client must reach. So by default (``advisory_limits`` off) a GPU in ``mps`` or
+``auto`` mode gets no daemon and its shares are held by the freezer, with that reason in
+status. With ``--mps-advisory-limits`` (node config ``mpsAdvisoryLimits: true``; for
+trusted tenants) a GPU's daemon is started at the first Allocate of a share on it, kept
+running (restarted when it dies) while the GPU holds shares, and stopped after
+``idle_stop_s`` without any. A share then gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for
+its ceiling (fixed-share: its cap; burst-share: its limit, 100 without one; best-effort:
+100), never more than what the GPU's fixed shares leave (100 - the others' fixed caps, for
+best-effort and burst-share), rounded to whole TPCs as the hardware does
 (:mod:`agent.platform.gpu.mpspartition`), and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for its
-vcuda-memory. Whole GPUs never get a daemon. Whatever cannot have MPS (the command is
-missing, the daemon will not come up) is held by the freezer as before, and the reason is
-kept for status.
+vcuda-memory; every such grant is marked advisory in status and metrics. Whole GPUs never
+get a daemon. Whatever cannot have MPS (the command is missing, the daemon will not come
+up) is held by the freezer as before, and the reason is kept for status.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
+from agent.domain.annotations import Policy
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
@@ -34,6 +44,13 @@ from agent.settings import SharingMode, SharingSettings
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
+# Why an MPS limit is advisory on every driver so far (None once a driver has limits bound
+# to the client's cgroup that the client cannot change: MPS v3 namespaces, R620+, untested).
+ADVISORY = (
+    "a client's MPS limits are advisory on this driver: its own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
+    "is what applies below the daemon's 100 %, and the daemon's settings are changed through the "
+    "control socket every client must reach"
+)
 # What reading grants.json raises for any bytes in it (OverflowError: int(Infinity), float(10**400)).
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
 
@@ -47,6 +64,7 @@ class MpsGrant:
     memory_mib: int | None  # pinned device-memory limit (None: none)
     pipe_dir: Path  # host path
     log_dir: Path
+    advisory: bool = True  # the tenant can lift it (see the module docstring)
 
     def describe(self) -> str:
         sms = (
@@ -55,7 +73,8 @@ class MpsGrant:
             else ""
         )
         memory = f", {self.memory_mib} MiB pinned" if self.memory_mib else ""
-        return f"MPS {self.partition.percent} %{sms}{memory}"
+        advisory = " (advisory: the tenant can lift it)" if self.advisory else ""
+        return f"MPS {self.partition.percent} %{sms}{memory}{advisory}"
 
 
 @dataclass(frozen=True)
@@ -78,14 +97,24 @@ class MpsSharing:
         mode: Callable[[], SharingMode],
         spec_for: Callable[[Assignment], EnforcementSpec | None] = lambda _a: None,
         shares_on: Callable[[int], int] | None = None,
+        fixed_on: Callable[[int, Assignment | None], int] = lambda _gpu, _a: 0,
         live: Callable[[], frozenset[tuple[str, str]]] | None = None,
+        advisory_allowed: Callable[[], bool] | None = None,
+        advisory_reason: str | None = ADVISORY,
         clock: Clock | None = None,
     ) -> None:
+        """``fixed_on(gpu, assignment)``: the fixed-share caps on ``gpu`` of shares other than
+        ``assignment``'s; ``advisory_allowed``: whether limits a tenant can lift may be used
+        now (default: the settings'); ``advisory_reason``: why this driver's MPS limits are
+        advisory (None: they are not)."""
         self.settings = settings
         self._gpus = {g.index: g for g in gpus}
         self._mode = mode
         self._spec_for = spec_for
         self._shares_on = shares_on
+        self._fixed_on = fixed_on
+        self._advisory_allowed = advisory_allowed or (lambda: settings.advisory_limits)
+        self.advisory_reason = advisory_reason
         self._live = live  # (pod uid, container) of every ledger entry: grants of others go
         self._clock = clock or SystemClock()
         self.command = list(command)
@@ -109,7 +138,10 @@ class MpsSharing:
         ceiling, memory = item.cores, None
         spec = self._spec_for(assignment) if assignment is not None else None
         if spec is not None:
-            ceiling, memory = spec.ceiling or 100, spec.memory_quota_mib
+            ceiling, memory = (
+                mps_ceiling(spec, self._fixed_on(item.gpus[0].index, assignment)),
+                spec.memory_quota_mib,
+            )
         grant = self._grant(item.gpus[0], ceiling, memory)
         if grant is not None and assignment is not None:
             with self._lock:
@@ -151,6 +183,7 @@ class MpsSharing:
             memory_mib,
             daemon.pipe_dir,
             daemon.log_dir,
+            advisory=self.advisory_reason is not None,
         )
 
     def why_not(self, gpu: int) -> str | None:
@@ -162,7 +195,22 @@ class MpsSharing:
         daemon = self._daemons[gpu]
         if daemon.state is DaemonState.FAILED:
             return daemon.error
+        # A daemon that already runs keeps its clients' grants (stopping it would end them):
+        # a change to advisory_limits applies once it stopped, idle.
+        if (
+            self.advisory_reason is not None
+            and not self._advisory_allowed()
+            and daemon.state is DaemonState.STOPPED
+        ):
+            return (
+                f"{self.advisory_reason}; so the freezer holds this GPU's shares "
+                "(mpsAdvisoryLimits: true uses MPS limits anyway, for trusted tenants only)"
+            )
         return None
+
+    def advisory(self, gpu: int) -> bool:
+        """Whether the MPS limits in use on this GPU are advisory (a tenant can lift them)."""
+        return self.advisory_reason is not None and self.why_not(gpu) is None
 
     # Supervision ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -254,6 +302,7 @@ class MpsSharing:
                     _int_or_none(v.get("memory_mib")),
                     Path(v["pipe_dir"]),
                     Path(v["log_dir"]),
+                    v.get("advisory", True) is not False,
                 )
                 for k, v in raw.items()
             }
@@ -273,6 +322,7 @@ class MpsSharing:
                 "memory_mib": g.memory_mib,
                 "pipe_dir": str(g.pipe_dir),
                 "log_dir": str(g.log_dir),
+                "advisory": g.advisory,
             }
             for k, g in self._grants.items()
         }
@@ -289,6 +339,16 @@ class MpsSharing:
             self._reported.add(message)
             # auto falls back by design; mps was asked for and did not happen
             log.log(logging.INFO if self.mode() is SharingMode.AUTO else logging.ERROR, "%s", message)
+
+
+def mps_ceiling(spec: EnforcementSpec, fixed_others: int) -> int:
+    """The active-thread percentage a share's MPS limit is made from: its ceiling, and for
+    best-effort and burst-share never into what the GPU's other fixed shares were promised
+    (``fixed_others``: the sum of their caps)."""
+    ceiling = spec.ceiling or 100
+    if spec.policy is Policy.FIXED_SHARE:
+        return ceiling
+    return max(1, min(ceiling, 100 - fixed_others))
 
 
 def _int_or_none(value: object) -> int | None:

@@ -3,7 +3,8 @@
     {"nodeConfig": [{"name": "gpu-node-1", "deviceMemoryScaling": 0.9,
                      "containerRuntimeEndpoint": "/run/containerd/containerd.sock",
                      "cgroupDriver": "systemd", "sharingMode": "auto",
-                     "allowedPolicies": ["fixed-share", "burst-share"], "maxLimitRatio": 1.0}]}
+                     "allowedPolicies": ["fixed-share", "burst-share"], "maxLimitRatio": 1.0,
+                     "mpsAdvisoryLimits": false}]}
 
 Nodes that are not listed get the defaults. Parsing reports every invalid field
 with the node it belongs to, not just the first.
@@ -34,6 +35,7 @@ _NODE_FIELDS = (
     "sharingMode",
     "allowedPolicies",
     "maxLimitRatio",
+    "mpsAdvisoryLimits",
 )
 _TOP_FIELDS = ("nodeConfig",)
 
@@ -49,6 +51,9 @@ class NodeConfig:
     sharing_mode: str | None = None  # "freezer", "mps" or "auto"; None: the agent's --sharing-mode
     allowed_policies: tuple[str, ...] = SAFE_POLICIES  # policies a pod annotation may pick
     max_limit_ratio: float = 1.0  # a fixed-share cap is at most request x this (vcuda-core-limit)
+    # Use MPS limits a tenant can lift (every driver so far: docs/security.md); None: the
+    # agent's --mps-advisory-limits (default no: the freezer holds those shares instead).
+    mps_advisory_limits: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +150,12 @@ def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | Non
     ratio = entry.get("maxLimitRatio", 1.0)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 1 <= ratio <= 100:
         problems.append(f"{where}: maxLimitRatio must be a number from 1 to 100, got {ratio!r}")
+    advisory = entry.get("mpsAdvisoryLimits")
+    if advisory is not None and not isinstance(advisory, bool):
+        problems.append(f"{where}: mpsAdvisoryLimits must be true or false, got {advisory!r}")
     if len(problems) > before:
         return None
-    return NodeConfig(name, float(scaling), endpoint, driver, sharing, tuple(allowed), float(ratio))
+    return NodeConfig(name, float(scaling), endpoint, driver, sharing, tuple(allowed), float(ratio), advisory)
 
 
 def _valid_endpoint(value: Any) -> bool:

@@ -159,12 +159,14 @@ class EnforcedNode:
         annotations: Mapping[str, str] | None = None,
         workload_mib: int = 0,
         extra: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> RunningContainer:
         """Create and admit the pod (Allocate over real gRPC), start its container, and wait
-        until its workload runs (a capped container's start-up runs throttled too)."""
+        until its workload runs (a capped container's start-up runs throttled too). ``env``:
+        the container spec's own env, which wins over Allocate's, as kubelet merges them."""
         manifest = pod_manifest(name, cores, memory_mib if cores < 100 else None, annotations or {})
         admission = self.node.run_pod(manifest)
-        return self.start_container(admission, busy=busy, workload_mib=workload_mib, extra=extra)
+        return self.start_container(admission, busy=busy, workload_mib=workload_mib, extra=extra, env=env)
 
     def start_container(
         self,
@@ -173,9 +175,10 @@ class EnforcedNode:
         busy: float = 1.0,
         workload_mib: int = 0,
         extra: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
     ) -> RunningContainer:
-        """Start an admitted one-container pod's container with what Allocate handed out, and
-        wait until its workload runs on its GPU."""
+        """Start an admitted one-container pod's container with what Allocate handed out (and
+        its own ``env`` over it), and wait until its workload runs on its GPU."""
         name = admission.pod.name
         pod = self.api.pod("default", name)
         assert pod is not None
@@ -191,7 +194,7 @@ class EnforcedNode:
             busy=busy,
             memory_mib=workload_mib,
             extra=extra,
-            envs=dict(envs),
+            envs={**dict(envs), **(env or {})},
             mounts=[(m.container_path, m.host_path) for m in response.mounts],
         )
         wait_for(lambda: self.on_gpu(box) or box.proc.poll() is not None, 30, f"{name}'s workload on its GPU")

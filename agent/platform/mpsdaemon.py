@@ -8,6 +8,13 @@ agent restart (its clients would die with it) and the next agent adopts it inste
 starting a second one. A daemon that dies is restarted with a growing back-off (1 s to 30 s);
 a command that cannot run at all, or dies three times in a row before its control socket
 comes up, is reported as failed and not retried (the shares are held by the freezer).
+
+The pipe directory is the agent's (clients get it read-only), but a daemon is never started
+on what something else left there: symbolic links (the daemon writes its pid file through
+whatever is at that path) and anything that is not a socket, pipe or regular file are
+removed first. Once up, the control socket's identity (device, inode) is kept; a socket
+that is replaced or gone while the daemon runs counts as the daemon's death: it is stopped
+and restarted, and the reason is kept for status.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -101,6 +109,7 @@ class MpsDaemon:
         self._backoff = BACKOFF_FIRST_S
         self._exit_code: int | None = None
         self._early_deaths = 0
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of its control socket
 
     def status(self) -> DaemonStatus:
         pid = self._identity.pid if self._identity else None
@@ -120,7 +129,12 @@ class MpsDaemon:
                 self._start()
         elif self.state is DaemonState.RESTARTING and now >= self._retry_at:
             self._start()
-        if self._identity is not None and (self.pipe_dir / "control").exists():
+        if self.state is DaemonState.RUNNING and self._socket_id != _socket_identity(
+            self.pipe_dir / "control"
+        ):
+            self._replace_tampered(now)
+        socket_id = _socket_identity(self.pipe_dir / "control")
+        if self._identity is not None and socket_id is not None:
             if self.state is not DaemonState.RUNNING:
                 log.info(
                     "GPU %d: MPS control daemon pid %d is up (%s)",
@@ -128,9 +142,21 @@ class MpsDaemon:
                     self._identity.pid,
                     self.pipe_dir,
                 )
+                self._socket_id = socket_id
             self.state = DaemonState.RUNNING
             self._backoff = BACKOFF_FIRST_S
         return self.state
+
+    def _replace_tampered(self, now: float) -> None:
+        """Its control socket was replaced or removed while it ran: whatever answers there now
+        is not known to be the daemon. Stop it and start a fresh one."""
+        self.error = f"its control socket {self.pipe_dir / 'control'} was replaced or removed while it ran"
+        log.error(
+            "GPU %d: the MPS control daemon's %s: restarting it", self.gpu, self.error.removeprefix("its ")
+        )
+        self.stop()
+        self.restarts += 1
+        self._start()
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Ensure it runs and wait up to ``timeout_s`` for its control socket."""
@@ -180,7 +206,9 @@ class MpsDaemon:
     def _start(self) -> None:
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._clean_pipe_dir()
         (self.pipe_dir / "control").unlink(missing_ok=True)  # a dead daemon's socket
+        self._socket_id = None
         env = {
             **self._environ,
             "CUDA_VISIBLE_DEVICES": self.uuid,
@@ -207,6 +235,23 @@ class MpsDaemon:
         log.info(
             "GPU %d: started MPS control daemon pid %d: %s", self.gpu, child.pid, " ".join(self._command)
         )
+
+    def _clean_pipe_dir(self) -> None:
+        """Remove links and strange entries before the daemon writes there (see above)."""
+        for entry in self.pipe_dir.iterdir():
+            try:
+                mode = entry.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode) or stat.S_ISREG(mode):
+                continue
+            log.warning(
+                "GPU %d: removing %s from the MPS pipe directory before the daemon starts", self.gpu, entry
+            )
+            if stat.S_ISDIR(mode):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
     def _died(self, now: float) -> None:
         self._reap()
@@ -264,6 +309,15 @@ class MpsDaemon:
         except OSError:
             return ""
         return lines[-1][:200] if lines else ""
+
+
+def _socket_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the socket at ``path``; None when there is no socket there."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 
 def stop_recorded_daemons(root: Path, procfs: ProcFS | None = None) -> int:

@@ -96,6 +96,7 @@ class NodeAgent:
             backend=self.backend,
             gpus=self.gpus,
             node_mode=lambda: self.config.node.sharing_mode,
+            node_advisory=lambda: self.config.node.mps_advisory_limits,
             kube=self.kube,
         )
         self.service.mps = self.sharing

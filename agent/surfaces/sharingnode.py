@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from agent.control.mpssharing import MpsSharing
+from agent.domain.annotations import Policy
+from agent.domain.ledger import Assignment
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.settings import SharingMode, SharingSettings
 from agent.surfaces.kubenode import KubeIntegration
@@ -17,19 +19,35 @@ def build_sharing(
     gpus: Sequence[GpuInfo],
     node_mode: Callable[[], str | None],
     kube: KubeIntegration | None,
+    node_advisory: Callable[[], bool | None] = lambda: None,
 ) -> MpsSharing:
-    """``node_mode``: the node config's sharingMode (None: the agent's --sharing-mode), read
-    at each Allocate so that a config reload applies to the next pod."""
+    """``node_mode``, ``node_advisory``: the node config's sharingMode and mpsAdvisoryLimits
+    (None: the agent's flags), read at each Allocate so that a config reload applies to the
+    next pod."""
 
     def mode() -> SharingMode:
         return SharingMode(node_mode() or settings.mode)
 
+    def advisory_allowed() -> bool:
+        said = node_advisory()
+        return settings.advisory_limits if said is None else said
+
     command = list(settings.mps_control) or backend.mps_control_command()
     if kube is None:
-        return MpsSharing(settings, gpus=gpus, command=command, mode=mode)
+        return MpsSharing(settings, gpus=gpus, command=command, mode=mode, advisory_allowed=advisory_allowed)
 
     def shares_on(index: int) -> int:
         return sum(1 for holder in kube.ledger.usage(index).holders if not holder.whole)
+
+    def fixed_on(index: int, assignment: Assignment | None) -> int:
+        total = 0
+        for holder in kube.ledger.usage(index).holders:
+            if holder.whole or (assignment is not None and holder.key == assignment.key):
+                continue
+            spec = kube.specbook.spec_for(holder)
+            if spec.policy is Policy.FIXED_SHARE and spec.cap is not None:
+                total += spec.cap
+        return total
 
     return MpsSharing(
         settings,
@@ -38,5 +56,7 @@ def build_sharing(
         mode=mode,
         spec_for=kube.specbook.spec_for,
         shares_on=shares_on,
+        fixed_on=fixed_on,
         live=kube.ledger.keys,
+        advisory_allowed=advisory_allowed,
     )

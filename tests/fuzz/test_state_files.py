@@ -112,7 +112,7 @@ def test_mps_grants(data: bytes) -> None:
         root = Path(tmp)
         (root / "grants.json").write_bytes(data)
         sharing = MpsSharing(
-            SharingSettings(mode=SharingMode.MPS, mps_root=root),
+            SharingSettings(mode=SharingMode.MPS, mps_root=root, advisory_limits=True),
             gpus=make_gpus(1),
             command=[],
             mode=lambda: SharingMode.MPS,

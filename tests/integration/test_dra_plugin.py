@@ -267,7 +267,9 @@ def test_an_agent_restart_answers_the_same_and_unprepares(
 def test_mps_mode_puts_the_daemons_limits_in_the_spec(
     dirs: Dirs, claims: FakeClaims, mode: SharingMode
 ) -> None:
-    settings = SharingSettings(mode=mode, mps_root=dirs.root / "mps", ready_timeout_s=5.0)
+    settings = SharingSettings(
+        mode=mode, mps_root=dirs.root / "mps", ready_timeout_s=5.0, advisory_limits=True
+    )
     sharing = MpsSharing(settings, gpus=GPUS, command=[str(STANDIN), "-f"], mode=lambda: settings.mode)
     responses = ResponseBuilder(DeviceListStrategy.MOUNTS, DRIVER_FILES, Path("/"))
     plugin = DraKubeletPlugin(

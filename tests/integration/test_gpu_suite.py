@@ -109,6 +109,15 @@ def test_without_a_driver_it_stops_clearly_with_the_inventory(tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["inventory.json", "summary.json"]
 
 
+def test_the_mps_probe_is_skipped_with_a_reason_on_the_simulated_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = run_suite("--simulate", "--quick", "--only", "inventory,mps", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["part"] for s in summary["skipped"]] == ["mps"], summary["skipped"]
+    assert "real daemon" in summary["skipped"][0]["why"]
+
+
 @pytest.mark.privileged
 @pytest.mark.slow
 def test_simulated_quick_run_records_traces_in_the_schema(tmp_path: Path) -> None:

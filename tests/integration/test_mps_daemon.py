@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from agent.control.mpssharing import MpsSharing
+from agent.domain.annotations import Policy
+from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
+from agent.domain.specs import SpecBounds, build_spec
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.mpsdaemon import DaemonState
 from agent.platform.procfs import ProcFS
@@ -29,9 +33,13 @@ GPUS = tuple(
 
 
 class Node:
-    def __init__(self, root: Path, command: list[str], mode: SharingMode = SharingMode.MPS) -> None:
+    def __init__(
+        self, root: Path, command: list[str], mode: SharingMode = SharingMode.MPS, *, advisory: bool = True
+    ) -> None:
         self.shares = {0: 1, 1: 0}
-        self.settings = SharingSettings(mode=mode, mps_root=root, ready_timeout_s=5.0, idle_stop_s=0.0)
+        self.settings = SharingSettings(
+            mode=mode, mps_root=root, ready_timeout_s=5.0, idle_stop_s=0.0, advisory_limits=advisory
+        )
         self.command = command
         self.sharings: list[MpsSharing] = []
 
@@ -80,7 +88,7 @@ def test_the_first_share_starts_its_gpus_daemon(node: Node) -> None:
     grant = sharing.grant_for(share(cores=30), None)
     assert grant is not None and grant.partition.percent == 29 and grant.partition.sms == 38
     status = sharing.daemon_statuses()[0]
-    assert status.state is DaemonState.RUNNING and ProcFS().stat(daemon_pid(sharing)).comm == "sleep"
+    assert status.state is DaemonState.RUNNING and ProcFS().stat(daemon_pid(sharing)).comm == "python3"
     assert (grant.pipe_dir / "control").exists()
     log = (grant.log_dir / "control.log").read_text()
     assert f"serving {GPUS[0].uuid}" in log  # CUDA_VISIBLE_DEVICES named its GPU
@@ -167,3 +175,85 @@ def test_a_daemon_that_never_comes_up_is_given_up_on(tmp_path: Path) -> None:
     reason = sharing.why_not(0)
     assert reason is not None and "3 times" in reason and "no GPU driver here" in reason
     assert sharing.grant_for(share(), None) is None  # at once now: the freezer holds it
+
+
+def test_by_default_no_mps_limit_a_tenant_can_lift_is_used(tmp_path: Path) -> None:
+    node = Node(tmp_path / "mps", [str(STANDIN), "-f"], advisory=False)
+    sharing = node.agent()
+    assert sharing.grant_for(share(), None) is None  # held by the freezer
+    reason = sharing.why_not(0)
+    assert reason is not None and "advisory" in reason and "mpsAdvisoryLimits" in reason
+    assert [g.actuator for g in sharing.gpus()] == ["freezer", "freezer"]
+    assert sharing.daemon_statuses()[0].state is DaemonState.STOPPED  # no daemon started
+    assert not sharing.advisory(0)
+
+
+def test_limits_that_bind_are_used_without_being_asked(tmp_path: Path) -> None:
+    node = Node(tmp_path / "mps", [str(STANDIN), "-f"], advisory=False)
+    sharing = MpsSharing(
+        node.settings, gpus=GPUS, command=node.command, mode=lambda: SharingMode.MPS, advisory_reason=None
+    )
+    node.sharings.append(sharing)
+    grant = sharing.grant_for(share(), None)
+    assert grant is not None and not grant.advisory and "advisory" not in grant.describe()
+
+
+def test_an_advisory_grant_says_so(node: Node) -> None:
+    sharing = node.agent()
+    grant = sharing.grant_for(share(), None)
+    assert grant is not None and grant.advisory and "advisory" in grant.describe()
+    assert sharing.advisory(0)
+
+
+def test_a_link_planted_in_the_pipe_directory_is_removed_before_the_daemon_starts(
+    node: Node, tmp_path: Path
+) -> None:
+    victim = tmp_path / "root-owned"
+    victim.write_text("untouched\n")
+    pipe = node.settings.mps_root / GPUS[0].uuid / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "nvidia-cuda-mps-control.pid").symlink_to(victim)  # where the daemon writes its pid
+    (pipe / "elsewhere").symlink_to("/etc")
+    sharing = node.agent()
+    assert sharing.grant_for(share(), None) is not None
+    assert not (pipe / "nvidia-cuda-mps-control.pid").is_symlink() and not (pipe / "elsewhere").exists()
+    assert victim.read_text() == "untouched\n"
+
+
+def test_a_replaced_control_socket_restarts_the_daemon(node: Node) -> None:
+    sharing = node.agent()
+    grant = sharing.grant_for(share(), None)
+    assert grant is not None
+    first = daemon_pid(sharing)
+    control = grant.pipe_dir / "control"
+    control.unlink()
+    impostor = socket.socket(socket.AF_UNIX)
+    impostor.bind(str(control))  # a tenant's own "daemon"
+    try:
+        sharing.tick()
+        status = sharing.daemon_statuses()[0]
+        assert status.restarts == 1 and "replaced" in status.error
+        wait_state(sharing, DaemonState.RUNNING)
+        assert daemon_pid(sharing) != first
+        assert Path(f"/proc/{first}").exists() is False or ProcFS().stat(first).state == "Z"
+    finally:
+        impostor.close()
+
+
+@pytest.mark.parametrize("policy", ["best-effort", "burst-share"])
+def test_best_effort_and_burst_ceilings_never_take_what_fixed_shares_hold(node: Node, policy: str) -> None:
+    tenant = Assignment("uid-t", "default", "tenant", "c", False, (0,), 10, 1024, policy=policy)
+    spec = build_spec(tenant, None, Policy.FIXED_SHARE, SpecBounds(allowed=frozenset(Policy)))
+    assert spec.policy.value == policy
+    sharing = MpsSharing(
+        node.settings,
+        gpus=GPUS,
+        command=node.command,
+        mode=lambda: SharingMode.MPS,
+        spec_for=lambda _a: spec,
+        fixed_on=lambda gpu, a: 90 if gpu == 0 and a is tenant else 0,  # fixed 50 + fixed 40 beside it
+    )
+    node.sharings.append(sharing)
+    grant = sharing.grant_for(ResolvedRequest(10, (GPUS[0],)), tenant)
+    assert grant is not None
+    assert grant.partition.effective_percent <= 10  # 100 - 90, whole TPCs within it

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.privileged
 
 SETTLE_S = 3.0
 MEASURE_S = 10.0
-AGENT = ("--device-guard", "off", "--no-ioctl-tracing")
+AGENT = ("--device-guard", "off", "--no-ioctl-tracing", "--mps-advisory-limits")
 
 
 @pytest.fixture

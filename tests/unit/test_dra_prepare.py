@@ -253,7 +253,7 @@ def test_mps_limits_go_into_the_spec(node: Node, policy: str | None, ceiling: in
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
     assert env["VCUDA_SHARING"] == "mps"
     pipe = next(m for m in edits["mounts"] if m["hostPath"] == "/p")
-    assert pipe["options"][0] == "rw"
+    assert pipe["options"][0] == "ro"
 
 
 def test_a_whole_device_gets_no_mps_and_all_cores(node: Node) -> None:

@@ -55,7 +55,7 @@ def test_allocate_of_an_mps_share_sets_its_limits_and_mounts_its_pipes() -> None
     assert envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/vcuda-mps/pipe"
     assert envs["NVIDIA_VISIBLE_DEVICES"] == GPUS[1].uuid
     mounts = {m.container_path: (m.host_path, m.read_only) for m in response.mounts}
-    assert mounts["/run/vcuda-mps/pipe"] == ("/run/m/GPU-1/pipe", False)
+    assert mounts["/run/vcuda-mps/pipe"] == ("/run/m/GPU-1/pipe", True)  # a tenant must not write there
     assert mounts["/run/vcuda-mps/log"] == ("/run/m/GPU-1/log", True)
     plain = builder.build(ResolvedRequest(30, (GPUS[1],)))
     assert not any(k.startswith("CUDA_MPS") for k in plain.envs)  # freezer: no MPS at all

@@ -81,6 +81,8 @@ def test_empty_config_gives_defaults(text: str) -> None:
         pytest.param({"cgroupDriver": 1}, "cgroupDriver", id="cgroup-number"),
         pytest.param({"sharingMode": "hami"}, "sharingMode", id="sharing-unknown"),
         pytest.param({"sharingMode": True}, "sharingMode", id="sharing-bool"),
+        pytest.param({"mpsAdvisoryLimits": "yes"}, "mpsAdvisoryLimits", id="advisory-string"),
+        pytest.param({"mpsAdvisoryLimits": 1}, "mpsAdvisoryLimits", id="advisory-int"),
         pytest.param({"allowedPolicies": []}, "allowedPolicies", id="policies-empty"),
         pytest.param({"allowedPolicies": ["yolo"]}, "allowedPolicies", id="policies-unknown"),
         pytest.param({"allowedPolicies": "best-effort"}, "allowedPolicies", id="policies-string"),
@@ -225,6 +227,13 @@ def test_sharing_mode_per_node(mode: str) -> None:
     config = parse_config(json.dumps(one_node(sharingMode=mode)))
     assert config.for_node("gpu-node-1").sharing_mode == mode
     assert config.for_node("other").sharing_mode is None  # the agent's --sharing-mode
+
+
+@pytest.mark.parametrize("advisory", [True, False])
+def test_mps_advisory_limits_per_node(advisory: bool) -> None:
+    config = parse_config(json.dumps(one_node(mpsAdvisoryLimits=advisory)))
+    assert config.for_node("gpu-node-1").mps_advisory_limits is advisory
+    assert config.for_node("other").mps_advisory_limits is None  # the agent's --mps-advisory-limits
 
 
 def test_policy_bounds_per_node_default_to_the_safe_set() -> None:

@@ -293,6 +293,14 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         "(default: nvidia-cuda-mps-control -f; with --simulate, the simulator's stand-in)",
     )
     g.add_argument(
+        "--mps-advisory-limits",
+        action="store_true",
+        help="use MPS limits even where a tenant can lift them (its own CUDA_MPS_* environment, "
+        "the control socket every client reaches: every driver so far); trusted tenants only. "
+        "Without it those shares are held by the freezer. The node config's mpsAdvisoryLimits "
+        "overrides it",
+    )
+    g.add_argument(
         "--mps-root",
         default=str(sharing.mps_root),
         metavar="DIR",

@@ -162,7 +162,12 @@ def sharing_from_args(args: argparse.Namespace, problems: list[str]) -> SharingS
     root = Path(args.mps_root)
     if not root.is_absolute():
         problems.append(f"--mps-root {args.mps_root!r}: must be an absolute path (a host path)")
-    return SharingSettings(mode=SharingMode(args.sharing_mode), mps_control=control, mps_root=root)
+    return SharingSettings(
+        mode=SharingMode(args.sharing_mode),
+        mps_control=control,
+        mps_root=root,
+        advisory_limits=args.mps_advisory_limits,
+    )
 
 
 def dump_bpf(settings: Settings) -> int:

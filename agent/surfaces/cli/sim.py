@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from agent.platform.gpu.mpspartition import sm_count_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
-from agent.platform.gpu.sim.mpsdaemon import serve_mps
+from agent.platform.gpu.sim.mpsdaemon import DEFAULT_PIPE_DIR, send_commands, serve_mps
 from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
 from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
 from agent.platform.gpu.sim.server import GpuServer
@@ -159,12 +160,27 @@ def workload_main(args: argparse.Namespace) -> int:
 
 
 def mps_main(args: argparse.Namespace) -> int:
-    """A stand-in for nvidia-cuda-mps-control -f on a simulated node: serves the GPU named by
-    CUDA_VISIBLE_DEVICES (its UUID) as its MPS server, with the pipe and log directories of
-    CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, until SIGTERM/SIGINT."""
+    """A stand-in for nvidia-cuda-mps-control on a simulated node. With -f: the control
+    daemon, serving the GPU named by CUDA_VISIBLE_DEVICES (its UUID) as its MPS server, with
+    the pipe and log directories of CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, until
+    quit or SIGTERM/SIGINT. Without: the command client, sending the commands on stdin
+    (set_default_active_thread_percentage 30, get_server_list, quit...) to the daemon of
+    CUDA_MPS_PIPE_DIRECTORY and printing what each answers."""
     if args.background:
         log.error("-d (background) is not supported by the stand-in: run it with -f, as the agent does")
         return 2
+    if not args.foreground:
+        pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR)
+        lines = [line.strip() for line in sys.stdin if line.strip()]
+        try:
+            replies = send_commands(pipe, lines)
+        except OSError as err:
+            log.error("cannot reach the MPS control daemon at %s: %s", pipe / "control", err)
+            return 1
+        for reply in replies:
+            if reply:
+                print(reply)
+        return 1 if any(r.startswith("Error") for r in replies) else 0
     try:
         return serve_mps(Path(args.sim_state_dir), os.environ)
     except (VcudaError, OSError) as err:
@@ -330,7 +346,7 @@ def add_parsers(
         help="a stand-in for nvidia-cuda-mps-control on a simulated node",
         description=mps_main.__doc__,
     )
-    p.add_argument("-f", dest="foreground", action="store_true", help="run in the foreground (always)")
+    p.add_argument("-f", dest="foreground", action="store_true", help="run the daemon in the foreground")
     p.add_argument("-d", dest="background", action="store_true", help="background mode: not supported")
     add_sim_state_dir(p)
     p.set_defaults(func=mps_main)

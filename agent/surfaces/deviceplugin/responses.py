@@ -45,7 +45,9 @@ class ResponseBuilder:
             envs.update(self._mps_envs(mps))
             response.mounts.extend(
                 [
-                    pb.Mount(container_path=self.mps_pipe_dir, host_path=str(mps.pipe_dir), read_only=False),
+                    # Read-only: a client only connects to the sockets there; a tenant must not
+                    # replace them or plant a link where the daemon writes (docs/security.md).
+                    pb.Mount(container_path=self.mps_pipe_dir, host_path=str(mps.pipe_dir), read_only=True),
                     pb.Mount(container_path=self.mps_log_dir, host_path=str(mps.log_dir), read_only=True),
                 ]
             )

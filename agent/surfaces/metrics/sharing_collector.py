@@ -49,6 +49,17 @@ class SharingCollector(Collector):
             restarts.add_metric(labels, float(status.restarts))
         yield up
         yield restarts
+        advisory = GaugeMetricFamily(
+            "vcuda_mps_limits_advisory",
+            "1 while the GPU's shares run under MPS limits a tenant can lift (mpsAdvisoryLimits), "
+            "0 otherwise (freezer, or limits the tenant cannot change)",
+            labels=DAEMON_LABELS,
+        )
+        for index, gpu in sorted(self._gpus.items()):
+            advisory.add_metric(
+                [self._node, str(index), gpu.uuid], 1.0 if self._sharing.advisory(index) else 0.0
+            )
+        yield advisory
         if self._enforcement is None:
             return
         held = GaugeMetricFamily(

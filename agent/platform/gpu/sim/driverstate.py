@@ -1,6 +1,6 @@
-"""What the simulated driver keeps besides the engines: the MPS server serving each GPU (an
-attached control daemon's connection) and per-cgroup memory limits; and which cgroup a
-client process is in."""
+"""What the simulated driver keeps besides the engines: the MPS control daemon serving each
+GPU (an attached daemon's connection and its :class:`~.mpscontrol.MpsControl` state) and
+per-cgroup memory limits; and which cgroup a client process is in."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from agent.errors import PlatformError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.gpu.sim.context import Context
 from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.mpscontrol import ClientLimits, MpsControl
 from agent.platform.gpu.sim.replies import RequestError, gpu_field
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class MpsServer:
     pid: int
     pipe: str  # the control daemon's CUDA_MPS_PIPE_DIRECTORY
     conn: int  # the fd of its connection
+    control: MpsControl
 
 
 class DriverState:
@@ -60,7 +62,7 @@ class DriverState:
                 f"GPU {gpu} cannot go to EXCLUSIVE_PROCESS mode: processes {others} hold contexts on it"
             )
         engine.attach_mps_server(pid, now)
-        self._mps[gpu] = MpsServer(pid, pipe, conn)
+        self._mps[gpu] = MpsServer(pid, pipe, conn, MpsControl(pid))
         log.info("GPU %d: MPS server pid %d attached (pipe directory %s)", gpu, pid, pipe)
         return gpu
 
@@ -92,6 +94,34 @@ class DriverState:
                 f"{pipe or 'no pipe directory'}"
             )
         return True
+
+    def mps_admit(
+        self, gpu: int, pid: int, uid: int, percentage: float | None, pinned: int | None
+    ) -> ClientLimits | None:
+        """A client of ``gpu``'s daemon starts: its limits, or None while it must wait (a
+        server of another user id has clients)."""
+        return self._mps[gpu].control.admit(pid, uid, percentage, pinned)
+
+    def mps_release(self, gpu: int, pid: int) -> None:
+        server = self._mps.get(gpu)
+        if server is not None:
+            server.control.release(pid)
+
+    def mps_may_admit(self, gpu: int, uid: int) -> bool:
+        server = self._mps.get(gpu)
+        return server is None or server.control.may_admit(uid)
+
+    def mps_command(self, conn: int, line: str) -> tuple[int, str, bool]:
+        """A control command the daemon on ``conn`` received: (GPU, reply, quit asked)."""
+        gpu = next((g for g, s in self._mps.items() if s.conn == conn), None)
+        if gpu is None:
+            raise RequestError("mps_command: this connection is not an MPS control daemon")
+        control = self._mps[gpu].control
+        reply = control.command(line)
+        return gpu, reply, control.quit_requested
+
+    def mps_controls(self) -> dict[int, MpsControl]:
+        return {g: s.control for g, s in self._mps.items()}
 
     # Memory limits --------------------------------------------------------------------------
     def set_limit(self, request: dict[str, Any]) -> None:

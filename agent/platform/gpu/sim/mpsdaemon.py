@@ -3,16 +3,21 @@ sim-mps-control``).
 
 It reads what the real control daemon reads: ``CUDA_VISIBLE_DEVICES`` (the GPU's UUID),
 ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``; it makes the pipe directory,
-listens on ``<pipe>/control``, writes ``nvidia-cuda-mps-control.pid`` there and
-``control.log`` in the log directory, and serves the GPU as its MPS server: it holds an
-``mps_attach`` connection to the node's GPU server, which from then on runs the GPU's
-contexts as MPS clients (active-thread percentage, pinned memory limit) and refuses
-contexts that do not come through this pipe directory (EXCLUSIVE_PROCESS). It runs in the
-foreground until SIGTERM/SIGINT, or until the GPU server goes away (exit 1).
+listens on ``<pipe>/control``, writes ``nvidia-cuda-mps-control.pid`` there (following a
+symlink, as a daemon that opens the path does) and ``control.log`` in the log directory,
+and serves the GPU as its MPS server: it holds an ``mps_attach`` connection to the node's
+GPU server, which from then on runs the GPU's contexts as MPS clients and refuses contexts
+that do not come through this pipe directory (EXCLUSIVE_PROCESS).
 
-Not modelled: the control commands on the socket (``get_server_list``, ``quit``,
-``set_default_active_thread_percentage``...), MPS servers per user id, the server as a
-process of its own (the daemon's pid stands for the server's), /dev/shm.
+Control commands (:mod:`.mpscontrol`: defaults, per-server limits, servers per user id,
+``quit``) arrive on the control socket one per line from anyone who can connect to it, as
+``nvidia-cuda-mps-control`` sends them; each line is answered with what the command prints
+and an empty line. :func:`send_commands` is that command-line client (``sim-mps-control``
+without ``-f``: commands on stdin). It runs until ``quit``, SIGTERM/SIGINT, or until the GPU
+server goes away (exit 1).
+
+Not modelled: the server as a process of its own (the daemon's pid stands for the
+server's), /dev/shm, the real daemon's wire protocol (private; this one is lines of text).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
+COMMAND_TIMEOUT_S = 2.0
+MAX_COMMANDS = 65536  # bytes of commands read from one connection
 
 
 class _Stop(Exception):
@@ -94,10 +101,52 @@ def _run(listener: socket.socket, gpu: Connection, note: Callable[[str], None]) 
             readable, _, _ = select.select([listener.fileno(), gpu.fileno()], [], [])
             if listener.fileno() in readable:
                 conn, _ = listener.accept()
-                conn.close()  # no control commands are modelled
+                with conn:
+                    if _serve_commands(conn, gpu, note):
+                        note("Shutting down (quit)")
+                        return 0
             if gpu.fileno() in readable:
                 note("the GPU server went away: exiting")
                 return 1
     except _Stop:
         note("Shutting down")
         return 0
+
+
+def _serve_commands(conn: socket.socket, gpu: Connection, note: Callable[[str], None]) -> bool:
+    """Answer one connection's command lines; whether ``quit`` was among them."""
+    conn.settimeout(COMMAND_TIMEOUT_S)
+    data = b""
+    with contextlib.suppress(OSError):  # a client that sends nothing, or goes, is dropped
+        while len(data) <= MAX_COMMANDS and not data.endswith(b"\n\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    quit_asked = False
+    for raw in data.decode(errors="replace").splitlines()[:64]:
+        line = raw.strip()
+        if not line:
+            continue
+        note(f"Command: {line[:200]}")
+        reply = gpu.call({"op": "mps_command", "command": line[:1024]})
+        quit_asked = quit_asked or bool(reply.get("quit"))
+        with contextlib.suppress(OSError):
+            conn.sendall((str(reply.get("reply", "")) + "\n\n").encode())
+        if quit_asked:
+            break
+    return quit_asked
+
+
+def send_commands(pipe: Path, lines: list[str], *, timeout_s: float = COMMAND_TIMEOUT_S) -> list[str]:
+    """Send control commands to the daemon at ``pipe``, as ``nvidia-cuda-mps-control`` does
+    with commands on its stdin; each command's reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(str(pipe / "control"))
+        sock.sendall(("".join(f"{line}\n" for line in lines) + "\n").encode())
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    return [r.strip("\n") for r in data.decode(errors="replace").split("\n\n")[: len(lines)]]

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.errors import PlatformError, SimulationError
+from agent.errors import SimulationError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.mpspartition import effective_share
 from agent.platform.gpu.sim.calls import BlockedCall
 from agent.platform.gpu.sim.context import Context
+from agent.platform.gpu.sim.contextopen import open_context, open_reply, parse_open
 from agent.platform.gpu.sim.driverstate import DriverState
 from agent.platform.gpu.sim.engine import GpuEngine
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -59,6 +59,7 @@ class Peer:
 
     sock: socket.socket
     pid: int
+    uid: int = 0
     buffer: LineBuffer = field(default_factory=LineBuffer)
     out: bytearray = field(default_factory=bytearray)
     requests: deque[dict[str, Any]] = field(default_factory=deque)
@@ -68,6 +69,7 @@ class Peer:
     wake_at: float = math.inf
     subscribed: bool = False
     closing: bool = False
+    waiting: dict[str, Any] | None = None  # an open waiting for another user id's MPS server
 
 
 class GpuServer:
@@ -180,11 +182,11 @@ class GpuServer:
             except OSError as err:
                 log.warning("accept failed: %s", err)
                 return
-            pid, _uid, _gid = _PEERCRED.unpack(
+            pid, uid, _gid = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
             sock.setblocking(False)
-            peer = Peer(sock, pid)
+            peer = Peer(sock, pid, uid)
             self._peers[sock.fileno()] = peer
             self._selector.register(sock, selectors.EVENT_READ, "peer")
 
@@ -210,7 +212,7 @@ class GpuServer:
 
     def _serve_requests(self, peer: Peer) -> None:
         """Answer queued requests in order, stopping at one that blocks."""
-        while peer.requests and peer.call is None and peer.sock.fileno() >= 0:
+        while peer.requests and peer.call is None and peer.waiting is None and peer.sock.fileno() >= 0:
             request = peer.requests.popleft()
             try:
                 reply = self._handle(peer, request)
@@ -267,6 +269,8 @@ class GpuServer:
                 raise RequestError("this connection is already a context")
             gpu = self.driver.attach(peer.sock.fileno(), peer.pid, request, now)
             return {"ok": True, "gpu": gpu, "uuid": self.node.gpus[gpu].uuid}
+        if op == "mps_command":
+            return self._mps_command(peer, request)
         if op == "memlimit":
             self.driver.set_limit(request)
             return {"ok": True}
@@ -293,36 +297,44 @@ class GpuServer:
             }
         raise RequestError(f"unknown op {op!r}")
 
-    def _open(self, peer: Peer, request: dict[str, Any], now: float) -> dict[str, Any]:
+    def _open(self, peer: Peer, request: dict[str, Any], now: float) -> dict[str, Any] | None:
         if peer.ctx is not None:
             raise RequestError("this connection already has a context")
-        gpu = gpu_field(request, self.engines)
-        engine = self.engines[gpu]
-        if engine.lost:
-            raise RequestError(f"GPU {gpu} is lost (fell off the bus)")
-        share = float(request.get("share", 100))
-        if not 0 < share <= 100:
-            raise RequestError(f"share must be 1..100 percent, got {share}")
-        limit_mib = request.get("memory_limit_mib")
-        if limit_mib is not None and (not isinstance(limit_mib, int) or limit_mib < 0):
-            raise RequestError(f"memory_limit_mib must be a non-negative integer, got {limit_mib!r}")
-        client = self.driver.mps_client(gpu, str(request.get("mps_pipe") or ""))
-        try:
-            start_ticks = self._procfs.identity(peer.pid).start_ticks
-        except PlatformError as err:
-            raise RequestError(f"cannot identify the client process {peer.pid}: {err}") from err
-        peer.gpu = gpu
-        peer.ctx = engine.create_context(
-            peer.pid,
-            start_ticks,
-            now,
-            # Without an MPS server the variable does nothing; with one, whole TPCs of SMs.
-            share=effective_share(share, engine.config.sm_count) if engine.mps else 1.0,
-            mps_client=client,
-            memory_limit=None if limit_mib is None or not engine.mps else limit_mib * MIB,
-            cgroup=self.driver.cgroup_of(peer.pid),
-        )
-        return {"ok": True, "context": peer.ctx.cid, "pid": peer.pid, "mps": engine.mps}
+        req = parse_open(request, self.engines)
+        engine = self.engines[req.gpu]
+        ctx = open_context(engine, self.driver, self._procfs, req, pid=peer.pid, uid=peer.uid, now=now)
+        if ctx is None:
+            log.info(
+                "GPU %d: client %d (uid %d) waits for another user's MPS server", req.gpu, peer.pid, peer.uid
+            )
+            peer.waiting = request
+            return None
+        peer.gpu, peer.ctx = req.gpu, ctx
+        return open_reply(ctx, engine.mps)
+
+    def _mps_command(self, peer: Peer, request: dict[str, Any]) -> dict[str, Any]:
+        line = request.get("command")
+        if not isinstance(line, str) or len(line) > 1024:
+            raise RequestError("mps_command: command must be a line of text")
+        gpu, reply, quit_asked = self.driver.mps_command(peer.sock.fileno(), line)
+        self._admit_waiting(gpu)
+        return {"ok": True, "reply": reply, "quit": quit_asked}
+
+    def _admit_waiting(self, gpu: int) -> None:
+        """Opens that waited for another user id's MPS server, in arrival order."""
+        for waiter in [p for p in self._peers.values() if p.waiting is not None]:
+            request = waiter.waiting
+            assert request is not None
+            if request.get("gpu") != gpu or not self.driver.mps_may_admit(gpu, waiter.uid):
+                continue
+            waiter.waiting = None
+            try:
+                reply = self._open(waiter, request, time.monotonic())
+            except RequestError as err:
+                reply = {"ok": False, "error": str(err)}
+            if reply is not None:
+                self._reply(waiter, reply)
+                self._serve_requests(waiter)
 
     def _context_call(
         self, peer: Peer, op: str, request: dict[str, Any], now: float
@@ -425,10 +437,19 @@ class GpuServer:
             gpu, gone = detached
             for ctx in gone:
                 self._fail_context(ctx, f"the MPS server of GPU {gpu} exited")
+            for waiter in [p for p in self._peers.values() if p.waiting is not None]:
+                if waiter.waiting is not None and waiter.waiting.get("gpu") == gpu:
+                    waiter.waiting = None
+                    self._reply(waiter, {"ok": False, "error": f"the MPS control daemon of GPU {gpu} exited"})
             self._dirty.add(gpu)
         peer.sock.close()
+        if peer.waiting is not None:
+            self.driver.mps_release(int(peer.waiting.get("gpu", -1)), peer.pid)
+            peer.waiting = None
         if peer.ctx is not None:
             self.engines[peer.gpu].destroy_context(peer.ctx, time.monotonic())
+            self.driver.mps_release(peer.gpu, peer.pid)
             peer.ctx = None
             self._dirty.add(peer.gpu)
+            self._admit_waiting(peer.gpu)
         peer.call, peer.wake_at = None, math.inf
