@@ -177,7 +177,8 @@ def control(command: str, lines: list[str], env: dict[str, str], *, read_only: b
 
 def tricks(report: dict[str, Any], seconds: float, work: Path, env: dict[str, str]) -> None:
     """Step 7 of the module docstring, into ``report["tricks"]`` (issue 24)."""
-    command, full, out = report["mps_control"], report["full_rate"], {}
+    command, full = report["mps_control"], report["full_rate"]
+    out: dict[str, Any] = {}
     report["tricks"] = out
     # The default binds servers started later; the running server (earlier clients') too.
     lines = ["set_default_active_thread_percentage 30"]

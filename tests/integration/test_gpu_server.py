@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -73,8 +74,8 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-@pytest.fixture
-def gpu_server(short_dir: Path) -> Iterator[GpuServerProcess]:
+@contextlib.contextmanager
+def running_gpu_server(short_dir: Path) -> Iterator[GpuServerProcess]:
     """`sim-gpu` serving SPEC in a short dir (unix socket paths are limited to 107 bytes)."""
     root = SimNodeDir(short_dir / "sim")
     cmd = sim_command("sim-gpu", "--simulate", SPEC, "--node-name", NODE, "--sim-state-dir", str(root.root))
@@ -100,6 +101,12 @@ def gpu_server(short_dir: Path) -> Iterator[GpuServerProcess]:
         yield GpuServerProcess(proc, root)
     finally:
         stop_process(proc)
+
+
+@pytest.fixture
+def gpu_server(short_dir: Path) -> Iterator[GpuServerProcess]:
+    with running_gpu_server(short_dir) as server:
+        yield server
 
 
 @pytest.fixture

@@ -56,8 +56,8 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    node = Node(tmp_path / "mps", [str(STANDIN), "-f"])
+def node(short_dir: Path) -> Iterator[Node]:
+    node = Node(short_dir / "mps", [str(STANDIN), "-f"])
     yield node
     for sharing in node.sharings:
         for daemon in sharing._daemons.values():
@@ -188,8 +188,8 @@ def test_by_default_no_mps_limit_a_tenant_can_lift_is_used(tmp_path: Path) -> No
     assert not sharing.advisory(0)
 
 
-def test_limits_that_bind_are_used_without_being_asked(tmp_path: Path) -> None:
-    node = Node(tmp_path / "mps", [str(STANDIN), "-f"], advisory=False)
+def test_limits_that_bind_are_used_without_being_asked(short_dir: Path) -> None:
+    node = Node(short_dir / "mps", [str(STANDIN), "-f"], advisory=False)
     sharing = MpsSharing(
         node.settings, gpus=GPUS, command=node.command, mode=lambda: SharingMode.MPS, advisory_reason=None
     )
@@ -242,7 +242,7 @@ def test_a_replaced_control_socket_restarts_the_daemon(node: Node) -> None:
 
 @pytest.mark.parametrize("policy", ["best-effort", "burst-share"])
 def test_best_effort_and_burst_ceilings_never_take_what_fixed_shares_hold(node: Node, policy: str) -> None:
-    tenant = Assignment("uid-t", "default", "tenant", "c", False, (0,), 10, 1024, policy=policy)
+    tenant = Assignment("uid-t", "default", "tenant", "c", False, (0,), 10, 1024, policy=policy, source="dra")
     spec = build_spec(tenant, None, Policy.FIXED_SHARE, SpecBounds(allowed=frozenset(Policy)))
     assert spec.policy.value == policy
     sharing = MpsSharing(
