@@ -9,7 +9,9 @@ the engine executes what each program queued, frozen or not.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
@@ -77,6 +79,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def model_enforcer(
+    gpu: VirtualGpuNode, specs: Callable[[], list[EnforcementSpec]], clock: VirtualClock, **options: Any
+) -> Enforcer:
+    """The agent's own controller on the virtual GPU node, as the agent builds it (each
+    container's cgroup stands for itself); ``options``: Enforcer's keyword arguments."""
+    return Enforcer(
+        gpus=[0],
+        samples=gpu,
+        specs=specs,
+        owner_of=gpu.owner_of,
+        locate=lambda s: ThrottleTarget(s.container_id, None, None),
+        actuator=gpu,
+        period_s=PERIOD_S,
+        clock=clock,
+        **options,
+    )
+
+
 def continuous_shares(boxes: list[Box]) -> list[float]:
     """Each container's share if it were delivered continuously (a GPU partitioned exactly):
     its request, and the best-effort ones what is left."""
@@ -105,15 +125,10 @@ def run_model(
     # The engine can always run MPS; the product uses its limits only where it may (they are
     # advisory on every driver: agent.control.mpssharing), else the freezer holds the shares.
     mps = continuous or (args.actuator in ("mps", "auto") and args.mps_advisory_limits)
-    enforcer = Enforcer(
-        gpus=[0],
-        samples=gpu,
-        specs=lambda: specs,
-        owner_of=gpu.owner_of,
-        locate=lambda s: ThrottleTarget(s.container_id, None, None),
-        actuator=gpu,
-        period_s=PERIOD_S,
-        clock=clock,
+    enforcer = model_enforcer(
+        gpu,
+        lambda: specs,
+        clock,
         enabled=not continuous,
         concurrent=lambda _gpu: mps,  # MPS clients run at once: duty cycles, not turns
     )

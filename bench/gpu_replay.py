@@ -37,12 +37,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from enforcement_model import Box, box_spec
+from enforcement_model import Box, box_spec, model_enforcer
 from gpu_recording import OVERLAP_US
 
 from agent.clock import VirtualClock
-from agent.control.actuators import ThrottleTarget
-from agent.control.enforcer import Enforcer
 from agent.domain.usage import GpuUsageEstimator
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -132,17 +130,7 @@ def run_table_scenario(
     clock = VirtualClock()
     gpu = VirtualGpuNode(clock, [dataclasses.replace(config, seed=seed)])
     specs: list[Any] = []
-    enforcer = Enforcer(
-        gpus=[0],
-        samples=gpu,
-        specs=lambda: specs,
-        owner_of=gpu.owner_of,
-        locate=lambda s: ThrottleTarget(s.container_id, None, None),
-        actuator=gpu,
-        period_s=PERIOD_S,
-        feedback=feedback,
-        clock=clock,
-    )
+    enforcer = model_enforcer(gpu, lambda: specs, clock, feedback=feedback)
     loop = PatternSpec("train", kernels=1, kernel_ms=table.kernel_ms, seed=seed)
     start, periods = clock.monotonic(), 0
 

@@ -36,6 +36,8 @@ from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
 
 ACTIVE_PERCENT = 5.0  # a container using this much of the GPU wants its share
 HOLD_MARGIN_PP = 1.0  # an unheld container is held once measured this far over its target
+STARVED_PP = 3.0  # ...or, yielding to others' turns, this far under it
+STARVED_S = 4.0  # ...for this long (not a start-up, not a pause of its own)
 USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
 ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
 YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
@@ -57,6 +59,7 @@ class _GpuTurns:
     yielding: set[str] = field(default_factory=set)  # unheld containers that yield to turns
     order: list[str] = field(default_factory=list)  # ties go round-robin
     full_since: dict[str, float] = field(default_factory=dict)  # held, not spending, since
+    starved_since: dict[str, float] = field(default_factory=dict)  # unheld, yielding, short, since
     thaws: dict[str, collections.deque[tuple[float, float]]] = field(default_factory=dict)
     cycle: Cycle[str] | None = None
     frozen_at: dict[str, float] = field(default_factory=dict)  # frozen lately, whose drain may run
@@ -167,7 +170,16 @@ class TurnLoop:
                 self._release(gpu, key)
             return
         if account is None:
-            if recent is not None and recent > goal + HOLD_MARGIN_PP:
+            # Over its target; or yielding to others' turns and short of it (freezing it for
+            # their turns costs it more than the cap's slack on a booked GPU): turns of its own
+            # and an account see that it gets its share.
+            if control.yielding and control.used < goal - STARVED_PP:
+                starved = now - state.starved_since.setdefault(key, now) >= STARVED_S
+            else:
+                state.starved_since.pop(key, None)
+                starved = False
+            if starved or (recent is not None and recent > goal + HOLD_MARGIN_PP):
+                state.starved_since.pop(key, None)
                 share = goal / 100
                 data.accounts[key] = Account(
                     share, share * self.settings.cycle_s, data.attribution.replayed_to, now
@@ -208,6 +220,7 @@ class TurnLoop:
         state = self._gpus[gpu]
         self._release(gpu, key)
         state.controls.pop(key, None)
+        state.starved_since.pop(key, None)
         state.yielding.discard(key)
         state.thaws.pop(key, None)
         if key in state.order:

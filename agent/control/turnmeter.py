@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterable, Reversible, Sequence
 from dataclasses import dataclass, field
 
 from agent.clock import Clock
-from agent.control.usagemeter import STALE_AFTER_S, Pending, SampleSource, SubmittingSource, container_key
+from agent.control.usagemeter import (
+    STALE_AFTER_S,
+    Pending,
+    SampleSource,
+    SubmittingSource,
+    collect_done,
+    container_key,
+)
 from agent.domain.fluid import Attribution
 from agent.domain.turns import Account, TurnSettings
 from agent.errors import DeviceSamplesUnsupportedError, VcudaError
@@ -121,17 +128,11 @@ class TurnMeter:
             except VcudaError as err:
                 self._failed(gpu, err)
         until = self._clock.monotonic() + wait_s
-        for gpu, (device_call, process_call) in list(self._in_flight.items()):
-            if not device_call.wait(until - self._clock.monotonic()):
+        for gpu, got in collect_done(self._in_flight, until, self._clock):
+            if isinstance(got, VcudaError):
+                self._failed(gpu, got)
                 continue
-            if not process_call.wait(until - self._clock.monotonic()):
-                continue
-            del self._in_flight[gpu]
-            try:
-                device, processes = device_call.result(), process_call.result()
-            except VcudaError as err:
-                self._failed(gpu, err)
-                continue
+            device, processes = got
             self._take(gpu, device, processes)
 
     def _take(self, gpu: int, device: list[DeviceSample], processes: list[ProcessSample]) -> None:

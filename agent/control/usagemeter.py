@@ -52,6 +52,27 @@ class Pending(Protocol[T_co]):
     def result(self) -> T_co: ...
 
 
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def collect_done(
+    in_flight: dict[int, tuple[Pending[A], Pending[B]]], until: float, clock: Clock
+) -> list[tuple[int, tuple[A, B] | VcudaError]]:
+    """The GPUs whose two reads are both done by ``until`` (monotonic), taken out of
+    ``in_flight`` with their results or the error one raised; the rest stay in flight."""
+    done: list[tuple[int, tuple[A, B] | VcudaError]] = []
+    for gpu, (first, second) in list(in_flight.items()):
+        if not first.wait(until - clock.monotonic()) or not second.wait(until - clock.monotonic()):
+            continue
+        del in_flight[gpu]
+        try:
+            done.append((gpu, (first.result(), second.result())))
+        except VcudaError as err:
+            done.append((gpu, err))
+    return done
+
+
 @runtime_checkable
 class SubmittingSource(SampleSource, Protocol):
     """A source whose reads run on per-GPU workers: submitted now, collected when done."""
@@ -154,17 +175,11 @@ class UsageMeter:
             except VcudaError as err:
                 self._failed(gpu, err)
         until = self._clock.monotonic() + self._read_wait_s
-        for gpu, (samples_call, device_call) in list(self._in_flight.items()):
-            if not samples_call.wait(until - self._clock.monotonic()):
+        for gpu, got in collect_done(self._in_flight, until, self._clock):
+            if isinstance(got, VcudaError):
+                self._failed(gpu, got)
                 continue
-            if not device_call.wait(until - self._clock.monotonic()):
-                continue
-            del self._in_flight[gpu]
-            try:
-                samples, device = samples_call.result(), device_call.result()
-            except VcudaError as err:
-                self._failed(gpu, err)
-                continue
+            samples, device = got
             self._take(gpu, samples, device, now, owners)
 
     def _take(

@@ -144,25 +144,20 @@ def test_quit_ends_the_daemon_and_its_clients_contexts(gpu_server: GpuServerProc
 
 
 def test_the_command_client_reads_commands_from_stdin(gpu_server: GpuServerProcess, daemon: Daemon) -> None:
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe)}
-    done = subprocess.run(
-        sim_command("sim-mps-control", "--sim-state-dir", str(gpu_server.root.root)),
-        input=b"set_default_active_thread_percentage 45\nget_default_active_thread_percentage\n",
-        env=env,
-        capture_output=True,
-        timeout=30,
-        check=False,
-    )
+    def client(commands: bytes) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            sim_command("sim-mps-control", "--sim-state-dir", str(gpu_server.root.root)),
+            input=commands,
+            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe)},
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+
+    done = client(b"set_default_active_thread_percentage 45\nget_default_active_thread_percentage\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split() == ["45.0"]
-    bad = subprocess.run(
-        sim_command("sim-mps-control", "--sim-state-dir", str(gpu_server.root.root)),
-        input=b"set_default_active_thread_percentage 0\n",
-        env=env,
-        capture_output=True,
-        timeout=30,
-        check=False,
-    )
+    bad = client(b"set_default_active_thread_percentage 0\n")
     assert bad.returncode == 1 and b"not in (0, 100]" in bad.stdout
 
 

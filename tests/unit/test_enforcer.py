@@ -57,6 +57,20 @@ def test_two_fixed_share_neighbours_each_hold_their_cap() -> None:
     assert rig.mean("b", 5, 20) == pytest.approx(60, abs=3)
 
 
+@pytest.mark.parametrize("pattern", [TRAIN, PatternSpec("infer", rate=100)], ids=["train", "infer"])
+def test_a_booked_gpu_gives_every_fixed_share_its_cap(pattern: PatternSpec) -> None:
+    # 10 + 50 + 40: the 10 is held at once; the others, yielding to its turns, fell to 18 %
+    # each (the GPU idle half the time) until those short of their cap got turns too.
+    rig = Rig()
+    for name, cap in (("t", 10), ("a", 50), ("b", 40)):
+        rig.add(name, pattern, spec(name, cap))
+    rig.run_for(50)
+    means = {name: rig.mean(name, 20, 30) for name in ("t", "a", "b")}
+    assert means["t"] == pytest.approx(10, abs=1.5), means
+    assert means["a"] == pytest.approx(50, abs=3), means
+    assert means["b"] == pytest.approx(40, abs=3), means
+
+
 def test_a_workload_below_its_cap_is_not_throttled() -> None:
     rig = Rig()
     rig.add("a", PatternSpec("train", busy=0.2), spec("a", 50))

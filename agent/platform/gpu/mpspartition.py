@@ -41,6 +41,18 @@ _SM_COUNTS: tuple[tuple[str, int], ...] = (
 )
 
 
+def parse_percentage(text: str) -> float:
+    """An active-thread percentage as MPS reads one: a number in (0, 100]; ValueError with
+    the reason otherwise."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise ValueError(f"{text!r} is not a number") from err
+    if not 0 < value <= 100:
+        raise ValueError(f"{text!r} is not in (0, 100]")
+    return value
+
+
 def sm_count_for(product_name: str) -> int | None:
     """The SM count of a product, from its NVML name; None when unknown."""
     for marker, count in _SM_COUNTS:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from agent.platform.gpu.mpspartition import parse_percentage
+
 DEFAULT_PERCENTAGE = 100.0
 _SIZE = re.compile(r"^(\d+)([KMGT]?)B?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -226,12 +228,9 @@ def _show_limit(value: int | None) -> str:
 
 def _percentage(text: str) -> float:
     try:
-        value = float(text)
+        return parse_percentage(text)
     except ValueError as err:
-        raise CommandError(f"{text!r} is not a percentage") from err
-    if not 0 < value <= 100:
-        raise CommandError(f"percentage {text} is not in (0, 100]")
-    return value
+        raise CommandError(f"percentage {err}") from err
 
 
 def _int(text: str, what: str) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import InvalidSpecError, SimulationError
+from agent.platform.gpu.mpspartition import parse_percentage
 from agent.platform.gpu.sim.client import ContextClient
 from agent.platform.gpu.sim.driver import SimDriverCalls
 from agent.platform.gpu.sim.nodefile import SimNodeDir
@@ -78,12 +79,9 @@ def mps_share(environ: dict[str, str] | None = None) -> float:
     if not raw:
         return 100.0
     try:
-        value = float(raw)
+        return parse_percentage(raw)
     except ValueError as err:
-        raise InvalidSpecError(f"{MPS_PERCENT_ENV}={raw!r} is not a number") from err
-    if not 0 < value <= 100:
-        raise InvalidSpecError(f"{MPS_PERCENT_ENV}={raw!r} must be in (0, 100]")
-    return value
+        raise InvalidSpecError(f"{MPS_PERCENT_ENV}: {err}") from err
 
 
 def mps_memory_limit_mib(environ: dict[str, str] | None = None) -> int | None:
