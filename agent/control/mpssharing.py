@@ -37,7 +37,7 @@ from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
 from agent.errors import MpsUnavailableError
 from agent.platform.gpu.inventory import GpuInfo
-from agent.platform.gpu.mpspartition import Partition, partition_for, sm_count_for
+from agent.platform.gpu.mpspartition import Partition, partition_for, sm_count_for, throughput_curve_for
 from agent.platform.mpsdaemon import DaemonState, DaemonStatus, MpsDaemon, probe_command
 from agent.settings import SharingMode, SharingSettings
 
@@ -179,7 +179,7 @@ class MpsSharing:
             return None
         return MpsGrant(
             gpu.index,
-            partition_for(ceiling, sm_count_for(gpu.model)),
+            partition_for(ceiling, sm_count_for(gpu.model), throughput_curve_for(gpu.model)),
             memory_mib,
             daemon.pipe_dir,
             daemon.log_dir,

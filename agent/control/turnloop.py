@@ -37,7 +37,8 @@ from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
 ACTIVE_PERCENT = 5.0  # a container using this much of the GPU wants its share
 HOLD_MARGIN_PP = 1.0  # an unheld container is held once measured this far over its target
 STARVED_PP = 3.0  # ...or, yielding to others' turns, this far under it
-STARVED_S = 4.0  # ...for this long (not a start-up, not a pause of its own)
+STARVED_S = 4.0  # ...for this long (not a start-up, not a pause of its own), on a GPU whose
+BOOKED_PERCENT = 95.0  # active containers' targets add up to this much
 USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
 ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
 YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
@@ -114,7 +115,11 @@ class TurnLoop:
         for control in controls:
             control.used = used[control.key] or 0.0
             control.goal = self._target(control, active)
-            self._hold_or_release(gpu, control, recent[control.key], now)
+        # Caps that take (nearly) the whole GPU between them: yielding to the held ones' turns
+        # may cost an unheld one more than the slack left, so one short of its cap gets turns.
+        booked = sum(c.goal or 0.0 for c in controls if c.key in active) >= BOOKED_PERCENT
+        for control in controls:
+            self._hold_or_release(gpu, control, recent[control.key], now, booked=booked)
         held = set(data.accounts)
         data.free = {c.key for c in controls if c.key not in held}
         state.yielding = {
@@ -156,7 +161,9 @@ class TurnLoop:
             return float(spec.cores if contended else spec.ceiling)
         return float(spec.ceiling)
 
-    def _hold_or_release(self, gpu: int, control: ContainerControl, recent: float | None, now: float) -> None:
+    def _hold_or_release(
+        self, gpu: int, control: ContainerControl, recent: float | None, now: float, *, booked: bool
+    ) -> None:
         data = self.meter.gpus[gpu]
         state = self._gpus[gpu]
         key, goal = control.key, control.goal
@@ -170,11 +177,11 @@ class TurnLoop:
                 self._release(gpu, key)
             return
         if account is None:
-            # Over its target; or yielding to others' turns and short of it (freezing it for
-            # their turns costs it more than the cap's slack on a booked GPU): turns of its own
-            # and an account see that it gets its share.
+            # Over its target; or, on a booked GPU, yielding to others' turns and short of it
+            # (freezing it for their turns costs it more than the slack): turns of its own and
+            # an account see that it gets its share.
             if control.yielding and control.used < goal - STARVED_PP:
-                starved = now - state.starved_since.setdefault(key, now) >= STARVED_S
+                starved = booked and now - state.starved_since.setdefault(key, now) >= STARVED_S
             else:
                 state.starved_since.pop(key, None)
                 starved = False

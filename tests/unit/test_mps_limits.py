@@ -10,7 +10,14 @@ from agent.control.mpssharing import MpsGrant
 from agent.domain.requests import ResolvedRequest
 from agent.errors import InvalidSpecError
 from agent.platform.driverfiles import DriverFiles
-from agent.platform.gpu.mpspartition import effective_share, granted_sms, partition_for, sm_count_for
+from agent.platform.gpu.mpspartition import (
+    curve_throughput,
+    effective_share,
+    granted_sms,
+    partition_for,
+    sm_count_for,
+    throughput_curve_for,
+)
 from agent.platform.gpu.sim.workload import mps_memory_limit_mib
 from agent.settings import DeviceListStrategy
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
@@ -69,3 +76,20 @@ def test_a_client_reads_its_pinned_memory_limit_for_device_0() -> None:
     assert mps_memory_limit_mib({}) is None
     with pytest.raises(InvalidSpecError, match="not a size"):
         mps_memory_limit_mib({"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=lots"})
+
+
+@pytest.mark.parametrize("cap", [5, 10, 20, 25, 30, 40, 50, 60, 75, 90, 100])
+def test_on_a_recorded_curve_a_cap_is_a_share_of_throughput(cap: int) -> None:
+    curve = throughput_curve_for("NVIDIA H200")
+    assert curve is not None and throughput_curve_for("NVIDIA H100 80GB HBM3") is None
+    part = partition_for(cap, 132, curve)
+    assert cap - 3 <= part.effective_percent <= cap  # delivered within [cap - 3, cap]
+    assert curve_throughput(part.percent + 1, curve) > cap / 100 or part.percent == 100  # the most
+
+
+def test_the_recorded_points_are_what_the_h200_gave() -> None:
+    curve = throughput_curve_for("NVIDIA H200")
+    assert curve is not None
+    assert curve_throughput(30, curve) == pytest.approx(0.248)  # what a cap of 30 got before
+    assert curve_throughput(61, curve) < curve_throughput(60, curve)  # not monotonic
+    assert partition_for(30, 132, curve).percent == 35

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from agent.platform.gpu.mpspartition import throughput_curve_for
+from agent.platform.gpu.sim.contextopen import mps_share
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.mpscontrol import MpsControl, parse_size
 
 DAEMON = 4242
@@ -83,7 +86,7 @@ def test_start_server_and_quit() -> None:
     [
         ("set_default_active_thread_percentage 0", "not in (0, 100]"),
         ("set_default_active_thread_percentage 101", "not in (0, 100]"),
-        ("set_default_active_thread_percentage lots", "not a percentage"),
+        ("set_default_active_thread_percentage lots", "not a number"),
         ("set_active_thread_percentage 1 50", "no server with PID 1"),
         ("set_default_device_pinned_mem_limit 0 2Q", "not a size"),
         ("get_client_list", "expected 1 argument"),
@@ -102,3 +105,10 @@ def test_sizes() -> None:
     assert parse_size("1024M") == GIB
     assert parse_size("512") == 512 << 20
     assert parse_size("1gb") == GIB
+
+
+def test_an_mps_client_runs_at_the_throughput_its_product_was_recorded_giving() -> None:
+    h200 = EngineConfig(mps_curve=throughput_curve_for("NVIDIA H200"))
+    assert mps_share(30, h200) == pytest.approx(0.248)  # 30 % of the SMs, 24.8 % of the work
+    assert mps_share(35, h200) == pytest.approx(0.2951, abs=1e-3)  # what a cap of 30 is given
+    assert mps_share(30, EngineConfig()) == pytest.approx(38 / 132)  # no curve: whole TPCs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from agent.errors import InvalidSpecError, VcudaError
 from agent.platform.gpu.inventory import CALL_PROCESS_SAMPLES, PER_GPU_CALLS, EventKind
-from agent.platform.gpu.mpspartition import sm_count_for
+from agent.platform.gpu.mpspartition import sm_count_for, throughput_curve_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
@@ -53,6 +53,7 @@ def gpu_main(args: argparse.Namespace) -> int:
                 mps=i in mps,
                 mps_samples=args.mps_samples,
                 sm_count=sm_count_for(model.product_name),
+                mps_curve=throughput_curve_for(model.product_name),
                 seed=args.seed,
             )
             config.validate()

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.errors import PlatformError
-from agent.platform.gpu.mpspartition import effective_share
+from agent.platform.gpu.mpspartition import curve_throughput, effective_share
 from agent.platform.gpu.sim.context import Context
 from agent.platform.gpu.sim.driverstate import DriverState
 from agent.platform.gpu.sim.engine import GpuEngine
+from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.replies import RequestError, gpu_field
 from agent.platform.procfs import ProcFS
 
@@ -72,12 +73,20 @@ def open_context(
         pid,
         start_ticks,
         now,
-        # Without an MPS server the variable does nothing; with one, whole TPCs of SMs.
-        share=effective_share(percent, engine.config.sm_count) if engine.mps else 1.0,
+        # Without an MPS server the variable does nothing; with one, whole TPCs of SMs, or
+        # the throughput the product was recorded giving at that percentage.
+        share=mps_share(percent, engine.config) if engine.mps else 1.0,
         mps_client=client,
         memory_limit=memory if engine.mps else None,
         cgroup=driver.cgroup_of(pid),
     )
+
+
+def mps_share(percent: float, config: EngineConfig) -> float:
+    """The fraction of the GPU an MPS client at ``percent`` runs at."""
+    if config.mps_curve is not None:
+        return curve_throughput(percent, config.mps_curve)
+    return effective_share(percent, config.sm_count)
 
 
 def open_reply(ctx: Context, mps: bool) -> dict[str, Any]:

@@ -29,6 +29,9 @@ class EngineConfig:
     mps: bool = False  # clients run concurrently, each within its active-thread percentage
     mps_samples: str = "server"  # under an attached MPS server: "server" or "client" samples
     sm_count: int | None = 132  # MPS shares are whole TPCs of these SMs (None: as given)
+    # MPS throughput by active-thread percentage as recorded on this product (mpspartition);
+    # None: a client's throughput is its whole TPCs' share of the SMs.
+    mps_curve: tuple[tuple[float, float], ...] | None = None
     seed: int = 0
     nvml_view: str = "driver"  # "driver": as NVIDIA's driver samples; "exact": the ideal (perfmon.py)
     nvml_aggregation: str = "per-sample"  # what NVML makes of the driver's samples (nvmllib.py)
