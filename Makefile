@@ -30,8 +30,9 @@ demo: setup
 	$(VENV)/bin/vcuda-agent demo
 
 # Two workers, a test file each at a time: most tests wait on real time (agents, GPU servers,
-# containers), so two files share this 2-core machine well; a file's tests stay in order.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# containers), so two files share this 2-core machine well; a file's tests stay in order. The
+# files that measure caps form one group (tests/conftest.py): never two of them at once.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)

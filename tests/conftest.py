@@ -23,6 +23,24 @@ from agent.emulators.kubelet import KubeletEmulator
 from agent.emulators.simnode import sim_agent_command
 
 REQUIRE_PRIVILEGED = os.environ.get("VCUDA_REQUIRE_PRIVILEGED") == "1"
+# Files that measure caps against real time with a few pp of tolerance: under `make test`'s
+# two workers they run one after another (two at once on two cores was seen to cost them
+# their accuracy), beside the rest.
+MEASURING_CAPS = frozenset(
+    {"test_enforcement.py", "test_dra_enforcement.py", "test_mps_enforcement.py", "test_demo_live.py"}
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """For ``--dist loadgroup``: each file is one group (as ``loadfile``), except the files
+    that measure caps, which share one."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(
+                pytest.mark.xdist_group("measuring-caps" if name in MEASURING_CAPS else str(item.path))
+            )
 
 
 @pytest.hookimpl(wrapper=True)

@@ -125,6 +125,11 @@ class MpsSharing:
         self._grants_file = settings.mps_root / "grants.json"
         self._grants: dict[str, MpsGrant] = self._load()
         self._reported: set[str] = set()
+        # Set by the node once it can list a container's processes: (pod uid, container) -> the
+        # user ids its processes run as; and who hears of a GPU whose clients' uids differ.
+        self.users_of: Callable[[str, str], frozenset[int]] | None = None
+        self.on_mixed_users: Callable[[int, list[str], list[int]], None] | None = None
+        self.mixed_users: dict[int, list[int]] = {}  # GPU -> the user ids of its MPS clients
 
     # Allocate -------------------------------------------------------------------------------
     def mode(self) -> SharingMode:
@@ -254,6 +259,28 @@ class MpsSharing:
                     self._report(f"GPU {index}: no MPS ({err})")
         if self._live is not None:
             self.forget(set(self._live()))
+        self.check_users()
+
+    def check_users(self) -> None:
+        """MPS runs one server per user id: a client of another uid than the running server's
+        waits, silently, until that server's clients are done (design notes §12). A GPU whose
+        granted containers run as more than one uid is reported (status, log, Event)."""
+        if self.users_of is None:
+            return
+        with self._lock:
+            grants = list(self._grants.items())
+        by_gpu: dict[int, dict[str, frozenset[int]]] = {}
+        for key, grant in grants:
+            pod_uid, _, container = key.partition("/")
+            by_gpu.setdefault(grant.gpu, {})[key] = self.users_of(pod_uid, container)
+        mixed: dict[int, list[int]] = {}
+        for gpu, users in by_gpu.items():
+            uids = sorted(set().union(*users.values()))
+            if len(uids) > 1:
+                mixed[gpu] = uids
+                if self.mixed_users.get(gpu) != uids and self.on_mixed_users is not None:
+                    self.on_mixed_users(gpu, sorted(k for k, u in users.items() if u), uids)
+        self.mixed_users = mixed
 
     def forget(self, keep: set[tuple[str, str]]) -> None:
         """Drop the grants of containers no longer in the ledger."""
@@ -280,6 +307,10 @@ class MpsSharing:
             reason = self.why_not(index)
             if reason is not None:
                 out.append(GpuSharing(index, "freezer", reason, daemon.status()))
+            elif index in self.mixed_users:
+                uids = ", ".join(map(str, self.mixed_users[index]))
+                why = f"clients run as user ids {uids}: MPS serves one uid at a time, the others wait"
+                out.append(GpuSharing(index, "mps", why, daemon.status()))
             elif daemon.state is DaemonState.STOPPED:
                 out.append(
                     GpuSharing(index, "mps", "no share on it yet: its daemon starts at the first", None)

@@ -436,6 +436,7 @@ class TurnLoop:
         return (
             f"{about} {unit_s:.1f} s of GPU work runs on after every freeze (a deep queue, a long graph or "
             f"step): a {goal:.0f} % share needs it frozen {wait:.0f} s after each turn and the freezer "
-            f"waits at most {self.settings.max_wait_s:.0f} s; MPS mode (sharingMode: mps) holds it, or "
-            "shorter kernels and more frequent syncs"
+            f"waits at most {self.settings.max_wait_s:.0f} s; MPS limits hold it (sharingMode: mps with "
+            "mpsAdvisoryLimits: true, which a tenant can lift: trusted tenants only), or shorter kernels "
+            "and more frequent syncs"
         )

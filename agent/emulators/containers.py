@@ -68,9 +68,11 @@ class ContainerRuntime:
         command: Sequence[str] | None = None,
         envs: Mapping[str, str] | None = None,
         mounts: Sequence[tuple[str, str]] = (),
+        user: int | None = None,
     ) -> RunningContainer:
         """Make the container's cgroup and start a simulated GPU workload in it (or
-        ``command``, e.g. a CUDA program on a real GPU)."""
+        ``command``, e.g. a CUDA program on a real GPU); ``user``: the uid (and gid) it runs
+        as, as a pod's runAsUser sets it (None: root)."""
         pod_dir = self._mkdirs(self.cgroup_root / pod_relpath(self.driver, pod_uid, qos))
         cgroup = self._mkdirs(pod_dir / container_names(self.driver, container_id)[0])
         procs = cgroup / "cgroup.procs"
@@ -82,6 +84,8 @@ class ContainerRuntime:
         # A shell joins the cgroup, then execs the workload (same pid): no preexec_fn, so
         # subprocess can vfork and gRPC's fork handlers in this process stay out of it.
         join = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *cmd]
+        if user is not None:  # joins as root (cgroup.procs is root's), then drops to the uid
+            join[4:4] = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
         proc = subprocess.Popen(join, env={**os.environ, **container_env(envs or {}, mounts)})
         running = RunningContainer(key, cgroup, proc, gpu)
         self.containers.append(running)

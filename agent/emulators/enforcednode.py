@@ -176,9 +176,12 @@ class EnforcedNode:
         workload_mib: int = 0,
         extra: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
+        user: int | None = None,
+        wait: bool = True,
     ) -> RunningContainer:
         """Start an admitted one-container pod's container with what Allocate handed out (and
-        its own ``env`` over it), and wait until its workload runs on its GPU."""
+        its own ``env`` over it), as ``user`` (None: root), and (``wait``) wait until its
+        workload runs on its GPU."""
         name = admission.pod.name
         pod = self.api.pod("default", name)
         assert pod is not None
@@ -196,7 +199,10 @@ class EnforcedNode:
             extra=extra,
             envs={**dict(envs), **(env or {})},
             mounts=[(m.container_path, m.host_path) for m in response.mounts],
+            user=user,
         )
+        if not wait:
+            return box
         wait_for(lambda: self.on_gpu(box) or box.proc.poll() is not None, 30, f"{name}'s workload on its GPU")
         if box.proc.poll() is not None:
             raise PlatformError(

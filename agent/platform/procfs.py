@@ -97,3 +97,19 @@ class ProcFS:
         except ProcessGoneError:
             return False
         return stat.start_ticks == identity.start_ticks and stat.state not in ("Z", "X")
+
+    def real_uid(self, pid: int) -> int:
+        """The process's real user id (``Uid:`` in /proc/<pid>/status)."""
+        path = self.root / str(pid) / "status"
+        try:
+            text = path.read_text()
+        except FileNotFoundError as err:
+            raise ProcessGoneError(f"process {pid} has exited") from err
+        except OSError as err:
+            raise PlatformError(f"cannot read {path}: {err}") from err
+        for line in text.splitlines():
+            if line.startswith("Uid:"):
+                fields = line.split()
+                if len(fields) > 1 and fields[1].isdigit():
+                    return int(fields[1])
+        raise PlatformError(f"{path} has no Uid: line")

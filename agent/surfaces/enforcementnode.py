@@ -49,6 +49,7 @@ from agent.surfaces.statusview import (
 log = logging.getLogger(__name__)
 
 UNHOLDABLE_REASON = "GPUShareNotHoldable"
+MIXED_USERS_REASON = "GPUMpsUsersMixed"
 
 
 class EnforcementIntegration:
@@ -104,6 +105,10 @@ class EnforcementIntegration:
         )
         self.enforcer.on_action.append(self.actions.record)
         self.enforcer.on_unholdable.append(self._unholdable_event)
+        self._procfs = procfs
+        if sharing is not None:
+            sharing.users_of = self._container_users
+            sharing.on_mixed_users = self._mixed_users_event
         self.memory = MemoryIntegration(
             settings,
             backend=backend,
@@ -121,6 +126,37 @@ class EnforcementIntegration:
         pod = self._kube.pods.get(spec.pod_uid)
         if pod is not None:
             self._kube.events.pod(pod, UNHOLDABLE_REASON, f"container {spec.container}: {why}")
+
+    def _container_users(self, pod_uid: str, container: str) -> frozenset[int]:
+        """The user ids the container's processes run as (none known: empty)."""
+        spec = next((s for s in self._kube.specs() if (s.pod_uid, s.container) == (pod_uid, container)), None)
+        target = self.locate(spec) if spec is not None else None
+        if target is None or target.procs_file is None:
+            return frozenset()
+        try:
+            pids = [int(p) for p in target.procs_file.read_text().split()]
+        except (OSError, ValueError):
+            return frozenset()
+        uids = set()
+        for pid in pids:
+            try:
+                uids.add(self._procfs.real_uid(pid))
+            except VcudaError:
+                continue  # gone meanwhile
+        return frozenset(uids)
+
+    def _mixed_users_event(self, gpu: int, keys: list[str], uids: list[int]) -> None:
+        """A Warning Event on each pod of the GPU's MPS clients: a client of another uid waits."""
+        why = (
+            f"GPU {gpu}: the MPS clients run as user ids {', '.join(map(str, uids))}; MPS serves one "
+            "uid at a time, so a client of another uid waits until the running one's clients are done "
+            "(run them as one user, or put them on another GPU)"
+        )
+        log.warning("%s", why)
+        for key in keys:
+            pod = self._kube.pods.get(key.partition("/")[0])
+            if pod is not None:
+                self._kube.events.pod(pod, MIXED_USERS_REASON, why)
 
     def locate(self, spec: EnforcementSpec) -> ThrottleTarget | None:
         """The container's freezer directory: its v2 scope when there is a v2 hierarchy (the

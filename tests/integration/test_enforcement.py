@@ -143,7 +143,7 @@ def test_a_container_over_its_memory_quota_loses_the_process_that_went_over(rig:
     neighbour = rig.run_pod("neighbour", 20, memory_mib=2048, busy=0.2, workload_mib=1500)
     grower = rig.run_pod(
         "grower",
-        20,
+        40,  # never over its cap at busy 0.2: a turn's wait must not hold back its growth
         memory_mib=1024,
         busy=0.2,
         workload_mib=800,

@@ -257,3 +257,23 @@ def test_best_effort_and_burst_ceilings_never_take_what_fixed_shares_hold(node: 
     grant = sharing.grant_for(ResolvedRequest(10, (GPUS[0],)), tenant)
     assert grant is not None
     assert grant.partition.effective_percent <= 10  # 100 - 90, whole TPCs within it
+
+
+def test_clients_of_different_user_ids_on_one_gpu_are_reported(node: Node) -> None:
+    sharing = node.agent()
+    users = {"uid-a": frozenset({0}), "uid-b": frozenset({1000})}
+    heard: list[tuple[int, list[str], list[int]]] = []
+    sharing.users_of = lambda pod_uid, _container: users.get(pod_uid, frozenset())
+    sharing.on_mixed_users = lambda gpu, keys, uids: heard.append((gpu, keys, uids))
+    for pod in ("a", "b"):
+        item = Assignment(f"uid-{pod}", "default", pod, "c", False, (0,), 30, 1024)
+        assert sharing.grant_for(share(), item) is not None
+    sharing.tick()
+    assert heard == [(0, ["uid-a/c", "uid-b/c"], [0, 1000])]
+    gpu0 = sharing.gpus()[0]
+    assert gpu0.actuator == "mps" and "user ids 0, 1000" in gpu0.reason
+    sharing.tick()
+    assert len(heard) == 1  # said once, not every tick
+    users["uid-b"] = frozenset({0})  # the same user now: nothing to say
+    sharing.tick()
+    assert sharing.mixed_users == {} and "user ids" not in sharing.gpus()[0].reason

@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from agent.emulators.enforcednode import EnforcedNode, enforced_node, wait_for
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, pod_manifest, wait_for
 from agent.surfaces.statusclient import fetch_status
 from tests.integration.cgroup_trees import real_layout
 
 pytestmark = pytest.mark.privileged
 
 SETTLE_S = 3.0
+TENANT_UID = 1000
 MEASURE_S = 10.0
 AGENT = ("--device-guard", "off", "--no-ioctl-tracing", "--mps-advisory-limits")
 
@@ -111,6 +112,30 @@ def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer
             node.metrics(),
             re.M,
         )
+
+
+def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_node: EnforcedNode) -> None:
+    # MPS runs one server per user id: a client of another uid waits until the running
+    # server's clients are done. The agent sees the uids of each share's processes and says so.
+    for path in (mps_node.workdir, mps_node.runtime.sim_state_dir):
+        path.chmod(0o755)  # the uid-1000 workload must reach the GPU server's socket
+    (mps_node.runtime.sim_state_dir / "gpu.sock").chmod(0o777)
+    (mps_node.runtime.sim_state_dir / "node.json").chmod(0o644)
+    mps_node.run_pod("root", 30)
+    admission = mps_node.node.run_pod(pod_manifest("tenant", 30, 1024, {}))
+    waiting = mps_node.start_container(admission, user=TENANT_UID, wait=False)
+    reason = wait_for(
+        lambda: (
+            "user ids 0, 1000" in status(mps_node)["gpus"][0]["sharingReason"]
+            and status(mps_node)["gpus"][0]["sharingReason"]
+        ),
+        15,
+        "the mixed user ids in status",
+    )
+    assert "the others wait" in reason
+    assert not mps_node.on_gpu(waiting)  # it waits for root's server, as on a real node
+    events = [e for e in mps_node.api.events() if e.get("reason") == "GPUMpsUsersMixed"]
+    assert {e["involvedObject"]["name"] for e in events} == {"root", "tenant"}, events
 
 
 def test_without_a_daemon_binary_the_freezer_holds_and_status_says_why(short_dir: Path) -> None:
