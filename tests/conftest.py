@@ -34,13 +34,17 @@ MEASURING_CAPS = frozenset(
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """For ``--dist loadgroup``: each file is one group (as ``loadfile``), except the files
-    that measure caps, which share one."""
+    that measure caps, which share one, and the real-runtime tier, whose containerds share
+    the host's kubepods cgroups (and whose session clean-up removes them): one worker."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            name = item.path.name
-            item.add_marker(
-                pytest.mark.xdist_group("measuring-caps" if name in MEASURING_CAPS else str(item.path))
-            )
+            if item.path.name in MEASURING_CAPS:
+                group = "measuring-caps"
+            elif item.path.parent.name == "runtime":
+                group = "runtime"
+            else:
+                group = str(item.path)
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)
