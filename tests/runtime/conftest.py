@@ -4,8 +4,10 @@ system's). Skips, with the reason, where the binaries or root are missing; on CI
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +30,25 @@ def _kubepods_dirs() -> list[Path]:
 def _remove_tree(top: Path) -> None:
     """Empty cgroup directories under ``top``, deepest first (runtimes leave the parents they made)."""
     for path in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        path.rmdir()
-    top.rmdir()
+        _rmdir(path)
+    _rmdir(top)
+
+
+def _rmdir(path: Path, wait_s: float = 10.0) -> None:
+    """A cgroup is busy while a killed container's last process is still exiting, or its shim
+    still cleaning up: wait for it (under `make test`'s workers the session may end moments
+    after the last container)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:  # its runtime removed it meanwhile
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

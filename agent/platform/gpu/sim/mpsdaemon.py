@@ -43,7 +43,7 @@ DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 COMMAND_TIMEOUT_S = 2.0
-MAX_COMMANDS = 65536  # bytes of commands read from one connection
+MAX_COMMAND_BYTES = 65536  # read from one connection
 
 
 class _Stop(Exception):
@@ -118,7 +118,7 @@ def _serve_commands(conn: socket.socket, gpu: Connection, note: Callable[[str], 
     conn.settimeout(COMMAND_TIMEOUT_S)
     data = b""
     with contextlib.suppress(OSError):  # a client that sends nothing, or goes, is dropped
-        while len(data) <= MAX_COMMANDS and not data.endswith(b"\n\n"):
+        while len(data) <= MAX_COMMAND_BYTES and not data.endswith(b"\n\n"):
             chunk = conn.recv(4096)
             if not chunk:
                 break
