@@ -68,7 +68,9 @@ from gpu_sources import NvmlSource, SimSource, Source  # noqa: E402
 from gpu_traces import TraceSetup, run_traces  # noqa: E402
 
 STAGES = ("inventory", "traces", "mps", "enforce")
-MPS_PROBE_S = 90.0  # bench/gpu_mps_probe.py --tricks --seconds 3: about a dozen 3 s clients
+# bench/gpu_mps_probe.py --tricks --seconds 3: nine CUDA clients of 3 s, each importing
+# PyTorch and creating its context first (an estimate: not yet run on a GPU).
+MPS_PROBE_S = 150.0
 PATTERNS = ("train", "infer", "burn", "graph")
 ENFORCE_SHARE = 0.3  # of the budget left after the inventory, kept for the enforcement stage
 DEPS_TIMEOUT_S = 90.0
@@ -312,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                 run.summary.skip("enforce", why)
             elif why is not None:  # "" : ready (None: the check itself failed, on record)
                 keep = max(run.enforce_estimate(), ENFORCE_SHARE * run.budget.left())
+        probe = MPS_PROBE_S if "mps" in args.only and not args.simulate else 0.0  # kept from the traces too
         if "traces" in args.only:
-            attempt("traces", 0.0, run.budget, run.summary, lambda: run.traces(keep))
+            attempt("traces", 0.0, run.budget, run.summary, lambda: run.traces(keep + probe))
         if "mps" in args.only:
             if args.simulate:
                 run.summary.skip("mps", "the MPS probe needs the real daemon and CUDA (a lent GPU)")

@@ -129,11 +129,10 @@ class MpsDaemon:
                 self._start()
         elif self.state is DaemonState.RESTARTING and now >= self._retry_at:
             self._start()
-        if self.state is DaemonState.RUNNING and self._socket_id != _socket_identity(
-            self.pipe_dir / "control"
-        ):
-            self._replace_tampered(now)
         socket_id = _socket_identity(self.pipe_dir / "control")
+        if self.state is DaemonState.RUNNING and socket_id != self._socket_id:
+            self._replace_tampered()
+            socket_id = _socket_identity(self.pipe_dir / "control")
         if self._identity is not None and socket_id is not None:
             if self.state is not DaemonState.RUNNING:
                 log.info(
@@ -147,7 +146,7 @@ class MpsDaemon:
             self._backoff = BACKOFF_FIRST_S
         return self.state
 
-    def _replace_tampered(self, now: float) -> None:
+    def _replace_tampered(self) -> None:
         """Its control socket was replaced or removed while it ran: whatever answers there now
         is not known to be the daemon. Stop it and start a fresh one."""
         self.error = f"its control socket {self.pipe_dir / 'control'} was replaced or removed while it ran"

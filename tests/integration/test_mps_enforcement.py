@@ -133,7 +133,8 @@ def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_no
         "the mixed user ids in status",
     )
     assert "the others wait" in reason
-    assert not mps_node.on_gpu(waiting)  # it waits for root's server, as on a real node
+    # Alive and without a context: it waits for root's server, as on a real node.
+    assert waiting.proc.poll() is None and not mps_node.on_gpu(waiting)
     events = [e for e in mps_node.api.events() if e.get("reason") == "GPUMpsUsersMixed"]
     assert {e["involvedObject"]["name"] for e in events} == {"root", "tenant"}, events
 

@@ -124,7 +124,7 @@ class Partition:
 def partition_for(target_percent: int, sm_count: int | None, curve: Curve | None = None) -> Partition:
     """The percentage to write for ``target_percent`` of a GPU with ``sm_count`` SMs. With a
     recorded ``curve``: the highest whole percentage whose throughput stays within the
-    target (a cap is a share of throughput, not of SMs: 30 -> 36 % on an H200, 29.9 %)."""
+    target (a cap is a share of throughput, not of SMs: 30 -> 35 % on an H200, 29.5 %)."""
     target = min(100, max(1, target_percent))
     if curve is not None:
         percent = max(

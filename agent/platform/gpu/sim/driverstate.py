@@ -120,9 +120,6 @@ class DriverState:
         reply = control.command(line)
         return gpu, reply, control.quit_requested
 
-    def mps_controls(self) -> dict[int, MpsControl]:
-        return {g: s.control for g, s in self._mps.items()}
-
     # Memory limits --------------------------------------------------------------------------
     def set_limit(self, request: dict[str, Any]) -> None:
         """``memlimit``: as nvmlDeviceSetMemoryLimits_v1 on this driver."""

@@ -51,7 +51,6 @@ class Server:
 class ClientLimits:
     """What a client runs under: the lower of its server's and its own environment's."""
 
-    server_pid: int
     percentage: float
     pinned_bytes: int | None  # of device 0, the one GPU the daemon serves
 
@@ -88,7 +87,7 @@ class MpsControl:
         pinned = server.pinned.get(0)
         if env_pinned is not None:
             pinned = env_pinned if pinned is None else min(pinned, env_pinned)
-        return ClientLimits(server.pid, percentage, pinned)
+        return ClientLimits(percentage, pinned)
 
     def release(self, pid: int) -> None:
         """A client's context is gone (or it gave up waiting)."""
@@ -121,6 +120,7 @@ class MpsControl:
             return f"Error: {err}"
 
     def _server_arg(self, args: list[str], count: int) -> Server:
+        """The server the first of ``count`` arguments names."""
         if len(args) != count:
             raise CommandError(f"expected {count} argument(s), got {len(args)}")
         pid = _int(args[0], "server PID")
@@ -160,7 +160,7 @@ class MpsControl:
         return f"{self.default_percentage:.1f}"
 
     def _set_percentage(self, args: list[str]) -> str:
-        server = self._server_arg(args[:1], 1) if len(args) == 2 else self._server_arg(args, 2)
+        server = self._server_arg(args, 2)
         server.percentage = _percentage(args[1])
         return ""
 
@@ -179,13 +179,11 @@ class MpsControl:
         return _show_limit(self.default_pinned.get(_int(args[0], "device")))
 
     def _set_pinned(self, args: list[str]) -> str:
-        server = self._server_arg(args[:1], 1) if len(args) == 3 else self._server_arg(args, 3)
-        _set_limit(server.pinned, args[1], args[2])
+        _set_limit(self._server_arg(args, 3).pinned, args[1], args[2])
         return ""
 
     def _get_pinned(self, args: list[str]) -> str:
-        server = self._server_arg(args[:1], 1) if len(args) == 2 else self._server_arg(args, 2)
-        return _show_limit(server.pinned.get(_int(args[1], "device")))
+        return _show_limit(self._server_arg(args, 2).pinned.get(_int(args[1], "device")))
 
 
 _COMMANDS = {
