@@ -177,11 +177,12 @@ class EnforcedNode:
         extra: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
         user: int | None = None,
+        command: Sequence[str] | None = None,
         wait: bool = True,
     ) -> RunningContainer:
         """Start an admitted one-container pod's container with what Allocate handed out (and
-        its own ``env`` over it), as ``user`` (None: root), and (``wait``) wait until its
-        workload runs on its GPU."""
+        its own ``env`` over it), as ``user`` (None: root), running ``command`` (None: a
+        simulated workload), and (``wait``) wait until its workload runs on its GPU."""
         name = admission.pod.name
         pod = self.api.pod("default", name)
         assert pod is not None
@@ -200,6 +201,7 @@ class EnforcedNode:
             envs={**dict(envs), **(env or {})},
             mounts=[(m.container_path, m.host_path) for m in response.mounts],
             user=user,
+            command=command,
         )
         if not wait:
             return box

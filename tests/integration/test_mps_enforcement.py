@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,13 +118,16 @@ def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer
 def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_node: EnforcedNode) -> None:
     # MPS runs one server per user id: a client of another uid waits until the running
     # server's clients are done. The agent sees the uids of each share's processes and says so.
-    for path in (mps_node.workdir, mps_node.runtime.sim_state_dir):
-        path.chmod(0o755)  # the uid-1000 workload must reach the GPU server's socket
-    (mps_node.runtime.sim_state_dir / "gpu.sock").chmod(0o777)
-    (mps_node.runtime.sim_state_dir / "node.json").chmod(0o644)
+    sim = mps_node.runtime.sim_state_dir
+    for path in (mps_node.workdir, sim):
+        path.chmod(0o755)  # the uid-1000 client must reach the GPU server's socket
+    (sim / "gpu.sock").chmod(0o777)
     mps_node.run_pod("root", 30)
     admission = mps_node.node.run_pod(pod_manifest("tenant", 30, 1024, {}))
-    waiting = mps_node.start_container(admission, user=TENANT_UID, wait=False)
+    # The system's Python and the standard library only: a checkout (and its venv) may sit
+    # where uid 1000 cannot read (mktemp -d is 0700).
+    client = [str(Path(sys.base_exec_prefix) / "bin" / "python3"), "-c", _MPS_CLIENT, str(sim / "gpu.sock")]
+    waiting = mps_node.start_container(admission, user=TENANT_UID, command=client, wait=False)
     reason = wait_for(
         lambda: (
             "user ids 0, 1000" in status(mps_node)["gpus"][0]["sharingReason"]
@@ -137,6 +141,17 @@ def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_no
     assert waiting.proc.poll() is None and not mps_node.on_gpu(waiting)
     events = [e for e in mps_node.api.events() if e.get("reason") == "GPUMpsUsersMixed"]
     assert {e["involvedObject"]["name"] for e in events} == {"root", "tenant"}, events
+
+
+_MPS_CLIENT = """
+import json, os, socket, sys, time
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+sock.sendall(json.dumps({"op": "open", "gpu": 0, "share": 100, "mps_pipe": pipe}).encode() + b"\\n")
+sock.makefile().readline()  # answered once root's server has no clients
+time.sleep(3600)
+"""
 
 
 def test_without_a_daemon_binary_the_freezer_holds_and_status_says_why(short_dir: Path) -> None:

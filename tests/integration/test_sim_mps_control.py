@@ -30,6 +30,9 @@ from tests.integration.test_gpu_server import (
 
 SMS = 132  # an H100's
 TENANT_UID = 1000
+# What a uid-1000 process runs: the system's Python (this checkout and its venv may sit where
+# uid 1000 cannot read: mktemp -d is 0700).
+SYSTEM_PYTHON = str(Path(sys.base_exec_prefix) / "bin" / "python3")
 
 
 @dataclass
@@ -119,7 +122,7 @@ def test_a_client_of_another_uid_waits_until_the_running_servers_clients_are_don
     holder, reply = open_client(gpu_server, daemon.pipe)
     assert reply["ok"]
     other = subprocess.Popen(
-        [sys.executable, "-c", _OPEN_AS_OTHER_USER, str(gpu_server.root.socket), str(daemon.pipe)],
+        [SYSTEM_PYTHON, "-c", _OPEN_AS_OTHER_USER, str(gpu_server.root.socket), str(daemon.pipe)],
         stdout=subprocess.PIPE,
         user=TENANT_UID,
         cwd="/",
