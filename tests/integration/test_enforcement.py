@@ -134,8 +134,10 @@ def test_sigkilled_agent_leaves_nothing_frozen_and_a_restart_resumes(rig: Enforc
     # Unthrottled, the three time-slice the GPU (less the context switches between them).
     assert all(u > 25 for u in used), f"each over its cap of 20: {used}"
     rig.start_agent()
-    time.sleep(SETTLE_S + 2)
-    used = rig.utilization(boxes, 6)
+    # A new agent learns each container's drains again: turns settle in 9-22 s at the defaults
+    # (docs/benchmarks.md); 7 s then 6 s of measuring once left one 4.7 pp short.
+    time.sleep(SETTLE_S + 5)
+    used = rig.utilization(boxes, 8)
     assert all(u == pytest.approx(20, abs=4) for u in used), used
 
 
