@@ -25,6 +25,10 @@ from tests.integration.cgroup_trees import real_layout
 
 SETTLE_S = 5.0
 MEASURE_S = 20.0
+# An unthrottled train loop leaves the GPU idle while its host thread syncs and submits
+# the next step; with the parallel suite beside it on 2 cores that gap reached 12 % on
+# CI. Any cap these tests use (30, 50) stays far below this floor.
+UNTHROTTLED_FLOOR = 80
 
 
 @pytest.fixture
@@ -59,7 +63,7 @@ def test_burst_share_borrows_idle_time_and_gives_it_back(rig: EnforcedNode) -> N
     first = rig.run_pod("first", 30, annotations={POLICY: "burst-share"})
     time.sleep(SETTLE_S)
     (alone,) = rig.utilization([first], 4)
-    assert alone >= 90
+    assert alone >= UNTHROTTLED_FLOOR
     second = rig.run_pod("second", 50, annotations={POLICY: "burst-share"})
     time.sleep(SETTLE_S)
     used_first, used_second = rig.utilization([first, second], 8)
@@ -81,7 +85,7 @@ def test_best_effort_and_whole_gpus_are_never_frozen(
         time.sleep(0.01)
     assert not seen_frozen
     (used,) = rig.utilization([box], 3)
-    assert used >= 90
+    assert used >= UNTHROTTLED_FLOOR
     doc = agent_status(rig)
     (row,) = doc["gpus"][0]["containers"]
     assert row["throttled"] is False and row["frozen"] is False
