@@ -5,8 +5,12 @@ A claim's share is enforced on the containers that use it: those whose
 ``resources.claims`` name a pod claim that resolves to it (``spec.resourceClaims`` with
 ``resourceClaimName``, or ``status.resourceClaimStatuses`` for a claim made from a
 template). Several containers (of one pod or of pods sharing the claim) split its cores and
-MiB evenly, the remainder to the first: together they never hold more than the claim
-consumed. A claim prepared for a pod whose containers have not been seen yet waits until
+MiB evenly, the remainder to the first: together they never hold more of the ledger than the
+claim consumed. Every one of them is enforced: when a claim has fewer cores (or MiB) than
+containers, those whose part is 0 are still capped at 1 core (1 MiB), while the ledger
+charges them only their part (``Assignment.charge``), so the caps of such a claim's
+containers add up to at most one core per container more than the claim (a stated limit: a
+cap cannot be below 1 core). A claim prepared for a pod whose containers have not been seen yet waits until
 the pod cache shows them. The claim's ShareConfig (policy, limit) travels with the entries;
 the node's bounds apply to it as to annotations (a claim is tenant input too).
 
@@ -85,8 +89,9 @@ def claim_entries(claims: Sequence[PreparedClaimLike], pods: Sequence[PodInfo]) 
             cores = split(share.cores, len(users))
             memory = split(share.memory_mib, len(users))
             for (pod, container, init), c, m in zip(users, cores, memory, strict=True):
-                if c < 1:  # more users than cores: the rest run without a share of their own
-                    continue
+                # More users than cores (or MiB): a part of 0 would leave the container
+                # unthrottled (0 MiB is "no quota"), so it is capped at the least there is.
+                cap_cores, cap_mib = max(c, 1), (max(m, 1) if share.memory_mib else 0)
                 entries.append(
                     Assignment(
                         pod_uid=pod.uid,
@@ -95,12 +100,13 @@ def claim_entries(claims: Sequence[PreparedClaimLike], pods: Sequence[PodInfo]) 
                         container=container,
                         init=init,
                         gpus=(share.gpu_index,),
-                        cores=c,
-                        memory_mib=m,
+                        cores=cap_cores,
+                        memory_mib=cap_mib,
                         device_ids=frozenset({f"{SOURCE}:{claim.ref.uid}:{share.request}"}),
                         policy=share.policy,
                         limit=share.limit,
                         source=SOURCE,
+                        charge=None if (cap_cores, cap_mib) == (c, m) else (c, m),
                     )
                 )
     return _merge(entries)
@@ -114,11 +120,16 @@ def _merge(entries: list[Assignment]) -> list[Assignment]:
         if held is None:
             merged[item.key] = item
         elif held.gpus == item.gpus:
+            charge = None
+            if held.charge is not None or item.charge is not None:
+                a, b = _charge(held), _charge(item)
+                charge = (min(100, a[0] + b[0]), a[1] + b[1])
             merged[item.key] = replace(
                 held,
                 cores=min(100, held.cores + item.cores),
                 memory_mib=held.memory_mib + item.memory_mib,
                 device_ids=held.device_ids | item.device_ids,
+                charge=charge,
             )
         else:
             log.warning(
@@ -128,6 +139,10 @@ def _merge(entries: list[Assignment]) -> list[Assignment]:
                 item.gpus,
             )
     return list(merged.values())
+
+
+def _charge(item: Assignment) -> tuple[int, int]:
+    return item.charge if item.charge is not None else (item.cores, item.memory_mib)
 
 
 class ClaimLedger:

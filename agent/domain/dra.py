@@ -70,6 +70,12 @@ class ClaimRef:
         return f"{self.namespace}/{self.name}"
 
 
+def main_request(name: str) -> str:
+    """The main request of a request reference: ``gpu`` for ``gpu`` and for its subrequest
+    ``gpu/small`` (a ``firstAvailable`` alternative; allocation results name the subrequest)."""
+    return name.split("/", 1)[0]
+
+
 def claim_shares(claim: Mapping[str, Any], node: str) -> list[ClaimShare]:
     """The shares of ``claim`` (a ResourceClaim object) on this node's pool, from
     status.allocation; ClaimError naming the field when it is not allocated or malformed."""
@@ -93,7 +99,7 @@ def claim_shares(claim: Mapping[str, Any], node: str) -> list[ClaimShare]:
         memory = _quantity(consumed, MEMORY, where, default=0)
         if not 1 <= cores <= 100:
             raise ClaimError(f"{where}.consumedCapacity.cores is {cores}: expected 1..100")
-        policy, limit = configs.get(request, configs.get("", (None, None)))
+        policy, limit = _config_for(configs, request)
         shares.append(
             ClaimShare(
                 request=request,
@@ -108,6 +114,18 @@ def claim_shares(claim: Mapping[str, Any], node: str) -> list[ClaimShare]:
             )
         )
     return shares
+
+
+def _config_for(
+    configs: Mapping[str, tuple[str | None, int | None]], request: str
+) -> tuple[str | None, int | None]:
+    """The config of an allocation result's request: one naming it exactly (``gpu/small``),
+    else one naming its main request (``gpu``: "applies to all subrequests", API reference of
+    DeviceClaimConfiguration.requests), else one for all requests, else none."""
+    for key in (request, main_request(request), ""):
+        if key in configs:
+            return configs[key]
+    return None, None
 
 
 def _share_configs(raw: Any) -> dict[str, tuple[str | None, int | None]]:

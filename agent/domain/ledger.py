@@ -32,6 +32,10 @@ class Assignment:
     policy: str | None = None
     limit: int | None = None
     source: str = "device-plugin"  # or "dra"
+    # (cores, MiB) the entry counts against its GPU when that is less than its caps: the
+    # containers of one DRA claim split what the claim consumed, yet each is capped at no less
+    # than 1 core (and 1 MiB when the claim has memory), so none runs unenforced.
+    charge: tuple[int, int] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -209,11 +213,15 @@ class Ledger:
 
 
 def _cores_on(item: Assignment) -> int:
-    return UNITS_PER_GPU if item.whole else item.cores
+    if item.whole:
+        return UNITS_PER_GPU
+    return item.cores if item.charge is None else item.charge[0]
 
 
 def _mem_on(item: Assignment, capacity_mib: int) -> int:
-    return capacity_mib if item.whole else item.memory_mib  # a whole GPU holds all of it
+    if item.whole:
+        return capacity_mib  # a whole GPU holds all of it
+    return item.memory_mib if item.charge is None else item.charge[1]
 
 
 def _holders(items: Sequence[Assignment]) -> str:

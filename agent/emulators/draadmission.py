@@ -26,7 +26,7 @@ from agent.emulators.cluster import container_id
 from agent.emulators.containers import RunningContainer
 from agent.emulators.draclaims import PodClaims
 from agent.emulators.enforcednode import NODE, EnforcedNode, wait_for
-from agent.emulators.kubelet_dra import KubeletDraEmulator
+from agent.emulators.kubelet_dra import KubeletDraEmulator, container_cdi_ids
 from agent.errors import PlatformError
 from agent.platform.cgroups.paths import QosClass
 
@@ -81,7 +81,9 @@ def claim_pod(name: str, template: str) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
-            "containers": [{"name": "c", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
+            "containers": [
+                {"name": "c", "image": "cuda", "resources": {"claims": [{"name": "gpu", "request": "gpu"}]}}
+            ],
         },
     }
 
@@ -150,7 +152,8 @@ class ClaimPods:
         result = self.kubelet.prepare(DRIVER, [ref])[ref.uid]
         if result.error:
             raise PlatformError(f"NodePrepareResources for {ref.key}: {result.error}")
-        envs, mounts = resolve_cdi(self.cdi_dir, [i for d in result.devices for i in d.cdi_ids])
+        # What kubelet gives container "c", which names the pod claim's request "gpu".
+        envs, mounts = resolve_cdi(self.cdi_dir, container_cdi_ids(result, "gpu"))
         [share] = claim_shares(claim, NODE)
         self.node.node.mark_running(pod)
         stored = api.pod("default", name)

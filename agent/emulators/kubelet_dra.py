@@ -10,6 +10,11 @@ lists that kubelet also supports is chosen, so a plugin lists the newest first),
 ``prepare``/``unprepare`` call NodePrepareResources/NodeUnprepareResources of the chosen
 service (v1, or v1beta1 when that is what was chosen; ``services=("v1beta1.DRAPlugin",)``
 emulates a 1.32-1.33 kubelet) and check that every claim has an entry in the answer.
+``container_cdi_ids`` is what kubelet hands one container from a prepared claim (its DRA
+manager's ``cdiDevicesAsList``): the container's ``resources.claims[]`` entry may name a
+request, and then only devices whose request names contain it (or that name none) are given;
+without a request, all of them. A container can name only a main request, so a driver that
+answers a subrequest name (``gpu/small``) leaves such a container without its device.
 ``restart()`` is a kubelet restart: the plugins are forgotten and the directory walked again;
 ``restart(wipe=True)`` also deletes the directory, as re-created host paths do.
 
@@ -72,6 +77,17 @@ class PreparedDevice:
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
+
+
+def container_cdi_ids(result: PrepareResult, request: str = "") -> list[str]:
+    """The CDI device IDs kubelet gives a container whose ``resources.claims[]`` entry names
+    this claim and ``request`` ("" when it names none), as kubelet's cdiDevicesAsList does."""
+    return [
+        cdi_id
+        for device in result.devices
+        if not request or not device.requests or request in device.requests
+        for cdi_id in device.cdi_ids
+    ]
 
 
 class DraPluginConnection:

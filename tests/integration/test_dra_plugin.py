@@ -17,7 +17,7 @@ from kubernetes.client import ApiClient, ResourceV1Api
 from agent.control.mpssharing import MpsSharing
 from agent.domain.dra import DRIVER, ClaimRef
 from agent.emulators.apiserver import FakeApiServer
-from agent.emulators.kubelet_dra import KubeletDraEmulator, PreparedDevice
+from agent.emulators.kubelet_dra import KubeletDraEmulator, PreparedDevice, PrepareResult, container_cdi_ids
 from agent.errors import KubeError
 from agent.platform.kube.resourceclaims import ResourceClaimClient
 from agent.settings import DeviceListStrategy, DraSettings, SharingMode, SharingSettings
@@ -165,6 +165,44 @@ def test_per_claim_errors_are_answered_per_claim(
         f"claim default/good has UID {ref_of(good).uid}, kubelet asked for {stale.uid}"
     )
     assert answer[stale.uid].devices == []
+
+
+def test_kubelet_gives_a_container_only_the_devices_of_the_request_it_names() -> None:
+    """kubelet's cdiDevicesAsList: a container naming request ``gpu`` gets the devices whose
+    request names contain ``gpu`` or that name none; one naming no request gets all."""
+    result = PrepareResult(
+        [
+            PreparedDevice(["gpu"], NODE, "gpu-0", ["k/a=0"]),
+            PreparedDevice(["nic"], NODE, "eth0", ["k/a=1"]),
+            PreparedDevice([], NODE, "gpu-1", ["k/a=2"]),
+            PreparedDevice(["gpu/small"], NODE, "gpu-1", ["k/a=3"]),
+        ]
+    )
+    assert container_cdi_ids(result, "gpu") == ["k/a=0", "k/a=2"]  # never a subrequest name
+    assert container_cdi_ids(result, "nic") == ["k/a=1", "k/a=2"]
+    assert container_cdi_ids(result) == ["k/a=0", "k/a=1", "k/a=2", "k/a=3"]
+
+
+def test_a_subrequest_is_answered_under_its_main_request_so_the_container_gets_its_gpu(
+    kubelet: KubeletDraEmulator, plugin: DraKubeletPlugin, claims: FakeClaims
+) -> None:
+    """A claim allocated from ``firstAvailable`` (result request ``gpu/small``): the answer
+    names ``gpu``, the only request a container can name, so kubelet hands the container the
+    device; answering ``gpu/small`` left it without."""
+    claim = allocated_claim("pick", [Result("gpu/small", 0, 20, "2Gi")])
+    alternatives = [
+        {"name": name, "deviceClassName": DRIVER, "capacity": {"requests": {"cores": cores}}}
+        for name, cores in (("small", "20"), ("large", "60"))
+    ]
+    claim["spec"]["devices"]["requests"] = [{"name": "gpu", "firstAvailable": alternatives}]
+    claims.put(claim)
+    ref = ref_of(claim)
+    kubelet.wait_for_plugin(DRIVER)
+    result = kubelet.prepare(DRIVER, [ref])[ref.uid]
+    cdi_id = f"vcuda.io/gpu={ref.uid}-gpu.small-gpu0"
+    assert (result.error, result.devices) == ("", [PreparedDevice(["gpu"], NODE, "gpu-0", [cdi_id])])
+    assert container_cdi_ids(result, "gpu") == [cdi_id]
+    assert kubelet.prepare(DRIVER, [ref])[ref.uid] == result  # answered again from the record
 
 
 def test_a_kubelet_that_speaks_only_v1beta1(dirs: Dirs, plugin: DraKubeletPlugin, claims: FakeClaims) -> None:

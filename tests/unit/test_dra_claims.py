@@ -178,3 +178,50 @@ def test_a_claims_config_is_bounded_like_an_annotation() -> None:
     fixed_only = SpecBounds(frozenset({Policy.FIXED_SHARE}), 1.0)
     spec = build_spec(entry, pod, Policy.FIXED_SHARE, fixed_only)
     assert spec.policy is Policy.FIXED_SHARE and spec.cap == 30 and spec.bounded
+
+
+def test_every_container_of_a_claim_with_fewer_cores_than_containers_is_enforced() -> None:
+    """A claim of 2 cores and 2 MiB used by three containers: a part of 0 used to leave the
+    third without an entry (unthrottled, no memory quota). Each is capped at 1 core and 1 MiB
+    at least, and the ledger still charges the GPU only what the claim consumed."""
+    claim = copy.deepcopy(CLAIM)
+    result = claim["status"]["allocation"]["devices"]["results"][0]
+    result["consumedCapacity"] = {"cores": "2", "memory": "2Mi"}
+    pod = pod_from_json(pod_json("a", "train-gpu", ["main", "helper", "logger"]))
+    entries = claim_entries(Claims(claim).prepared(), [pod])
+    assert sorted((e.container, e.cores, e.memory_mib) for e in entries) == [
+        ("helper", 1, 1),
+        ("logger", 1, 1),
+        ("main", 1, 1),
+    ]
+    ledger = Ledger(make_gpus(2))
+    pods = Pods()
+    pods.by_uid[pod.uid] = pod
+    # The GPU is otherwise full: 98 cores are the device plugin's, 2 are the claim's.
+    ledger.assign(Assignment("dp-pod", "default", "dp", "c", False, (1,), 98, 1024))
+    assert ClaimLedger(ledger, pods, Claims(claim)).sync() == 3
+    held = {a.container for a in ledger.assignments() if a.source == "dra"}
+    assert held == {"main", "helper", "logger"}
+    usage = ledger.usage(1)
+    assert (usage.cores, usage.memory_mib) == (100, 1024 + 2)
+
+
+def test_a_config_for_the_main_request_applies_to_its_subrequests() -> None:
+    """``requests: ["gpu"]`` configures every subrequest of ``gpu`` (``gpu/small``, allocated
+    from firstAvailable); one naming the subrequest itself wins over it."""
+    claim = copy.deepcopy(CLAIM)
+    devices = claim["status"]["allocation"]["devices"]
+    devices["results"][0]["request"] = "gpu/small"
+    devices["results"].append({**devices["results"][0], "request": "gpu/large", "device": "gpu-0"})
+    [share_small, share_large] = claim_shares(claim, NODE)
+    assert (share_small.request, share_small.policy, share_small.limit) == ("gpu/small", "burst-share", 50)
+    assert (share_large.request, share_large.policy, share_large.limit) == ("gpu/large", "burst-share", 50)
+    exact = copy.deepcopy(devices["config"][0])
+    exact["requests"] = ["gpu/large"]
+    exact["opaque"]["parameters"] = {**exact["opaque"]["parameters"], "policy": "fixed-share", "limit": 20}
+    devices["config"].append(exact)
+    small, large = claim_shares(claim, NODE)
+    assert (small.policy, large.policy, large.limit) == ("burst-share", "fixed-share", 20)
+    other = copy.deepcopy(claim)
+    other["status"]["allocation"]["devices"]["config"][0]["requests"] = ["gpux"]  # not a prefix match
+    assert claim_shares(other, NODE)[0].policy is None

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from agent.domain.dra import ClaimRef
+from agent.domain.dra import ClaimRef, main_request
 from agent.errors import VcudaError
 from agent.platform.kubelet.pb import dra_v1_pb2 as v1
 from agent.platform.kubelet.pb import dra_v1_pb2_grpc as v1_grpc
@@ -38,7 +38,7 @@ def prepare_response(pbm: Any, preparer: ClaimPreparer, request: Any) -> Any:
             continue
         entry.devices.extend(
             pbm.Device(
-                request_names=list(d.requests),
+                request_names=request_names(d.requests),
                 pool_name=d.pool,
                 device_name=d.device,
                 cdi_device_ids=list(d.cdi_ids),
@@ -46,6 +46,14 @@ def prepare_response(pbm: Any, preparer: ClaimPreparer, request: Any) -> Any:
             for d in prepared.devices
         )
     return response
+
+
+def request_names(requests: tuple[str, ...]) -> list[str]:
+    """The main requests of ``requests``, as kubelet must see them: a container names only a
+    main request (``resources.claims[].request``), and kubelet hands it the devices whose
+    request names contain that name; a subrequest (``gpu/small``) would match no container.
+    k8s.io/dynamic-resource-allocation's kubelet plugin helper strips them the same way."""
+    return list(dict.fromkeys(main_request(r) for r in requests))
 
 
 def unprepare_response(pbm: Any, preparer: ClaimPreparer, request: Any) -> Any:
