@@ -14,6 +14,14 @@ someone else comes back). API errors never leave ``run()``: logged once per dist
 counted, retried with back-off capped at ``check_interval_s``. On a clean stop the slice is
 deleted, so the scheduler places no new claims on a node whose driver is gone; a crash leaves
 it, and the next start takes it over (same name, next generation).
+
+The slice is owned by this node's Node object (``ownerReferences``: v1 Node, name, uid, as
+the kubelet plugin helper of k8s.io/dynamic-resource-allocation sets it), so the garbage
+collector deletes it with the Node. The uid is read from the API (``node_uid``); while it
+cannot be, the slice is published without an owner (logged once) and every pass tries again;
+once known, a slice without the reference gets it (same generation: the devices did not
+change). Creating the slice reads the uid afresh, so a Node re-created under the same name
+(whose old uid the garbage collector would delete the slice for) is owned by the new one.
 """
 
 from __future__ import annotations
@@ -27,7 +35,14 @@ from typing import Any
 
 from agent.clock import Clock, SystemClock
 from agent.control.retrylog import RetryLog
-from agent.domain.draslice import build_slice, desired_devices, is_current, pool_generation, slice_name
+from agent.domain.draslice import (
+    build_slice,
+    desired_devices,
+    is_current,
+    is_owned,
+    pool_generation,
+    slice_name,
+)
 from agent.domain.health import HealthBoard
 from agent.errors import KubeError
 from agent.platform.gpu.inventory import GpuInfo
@@ -68,6 +83,7 @@ class SlicePublisher:
         check_interval_s: float = 10.0,
         poll_s: float = 0.2,
         delete_on_stop: bool = True,
+        node_uid: Callable[[], str] | None = None,
     ) -> None:
         self._slices = slices
         self._gpus = tuple(sorted(gpus, key=lambda g: g.index))
@@ -88,6 +104,14 @@ class SlicePublisher:
             log,
             f"node {node_name}: cannot publish ResourceSlice {self._name}",
             f"node {node_name}: publishing ResourceSlice {self._name} works again",
+        )
+        self._read_node_uid = node_uid
+        self._node_uid = ""  # "" until read: the slice then has no owner
+        self._owner_log = RetryLog(
+            log,
+            f"node {node_name}: ResourceSlice {self._name} is published without an ownerReference "
+            "to the Node (not garbage-collected with it) until the Node can be read",
+            f"node {node_name}: the Node can be read again; ResourceSlice {self._name} is owned by it",
         )
         self._seen_board = -1  # the board version and scaling the last pass was based on
         self._seen_scaling = 0.0
@@ -168,16 +192,20 @@ class SlicePublisher:
                 log.info("node %s: stale ResourceSlice %s deleted", self._node, meta.get("name"))
                 with self._lock:
                     self._stats.deletes += 1
+        uid = self._owner_uid(fresh=ours is None)
         if ours is not None and is_current(ours, self._node, devices):
-            self._record(pool_generation(ours), len(devices), wrote=False)
-            return
-        generation = self._generation + 1
+            if is_owned(ours, self._node, uid):
+                self._record(pool_generation(ours), len(devices), wrote=False)
+                return
+            generation = pool_generation(ours)  # only the owner changes: same pool contents
+        else:
+            generation = self._generation + 1
         if ours is None:
-            self._slices.create(build_slice(self._node, devices, generation))
+            self._slices.create(build_slice(self._node, devices, generation, node_uid=uid))
         else:
             rv = (ours.get("metadata") or {}).get("resourceVersion")
-            self._slices.replace(build_slice(self._node, devices, generation, rv))
-        self._generation = generation
+            self._slices.replace(build_slice(self._node, devices, generation, rv, node_uid=uid))
+        self._generation = max(self._generation, generation)
         self._record(generation, len(devices), wrote=True)
         log.info(
             "node %s: ResourceSlice %s published: %d device(s), pool generation %d",
@@ -186,6 +214,19 @@ class SlicePublisher:
             len(devices),
             generation,
         )
+
+    def _owner_uid(self, *, fresh: bool) -> str:
+        """The Node's uid ("" while it cannot be read: logged, tried again next pass)."""
+        if self._read_node_uid is None or (self._node_uid and not fresh):
+            return self._node_uid
+        try:
+            uid = self._read_node_uid()
+        except KubeError as err:
+            self._owner_log.failed(str(err))
+            return self._node_uid  # a uid read before is still the best guess
+        self._owner_log.succeeded()
+        self._node_uid = uid
+        return uid
 
     def _record(self, generation: int, devices: int, *, wrote: bool) -> None:
         with self._lock:

@@ -113,16 +113,29 @@ def desired_devices(
     return devices
 
 
+def node_owner(node: str, uid: str) -> dict[str, Any]:
+    """The ownerReference to this node's Node, as k8s.io/dynamic-resource-allocation's kubelet
+    plugin helper sets it: the garbage collector deletes the slice with the Node."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}
+
+
 def build_slice(
-    node: str, devices: Sequence[Mapping[str, Any]], generation: int, resource_version: str | None = None
+    node: str,
+    devices: Sequence[Mapping[str, Any]],
+    generation: int,
+    resource_version: str | None = None,
+    node_uid: str = "",
 ) -> dict[str, Any]:
-    """The whole ResourceSlice; ``resource_version`` makes a replacement conditional."""
+    """The whole ResourceSlice; ``resource_version`` makes a replacement conditional;
+    ``node_uid`` (when known) makes the Node its owner."""
     metadata: dict[str, Any] = {
         "name": slice_name(node),
         "labels": {"app.kubernetes.io/managed-by": "vcuda-agent"},
     }
     if resource_version:
         metadata["resourceVersion"] = resource_version
+    if node_uid:
+        metadata["ownerReferences"] = [node_owner(node, node_uid)]
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -141,6 +154,13 @@ def pool_generation(obj: Mapping[str, Any]) -> int:
     pool = (obj.get("spec") or {}).get("pool") or {}
     generation = pool.get("generation")
     return generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
+
+
+def is_owned(obj: Mapping[str, Any], node: str, node_uid: str) -> bool:
+    """Whether a slice read back has exactly the ownerReference ``build_slice`` gives it
+    (trivially so while the Node's uid is unknown)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences")
+    return not node_uid or refs == [node_owner(node, node_uid)]
 
 
 def is_current(obj: Mapping[str, Any], node: str, devices: Sequence[Mapping[str, Any]]) -> bool:

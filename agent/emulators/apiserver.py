@@ -39,7 +39,8 @@ resourceVersion, namespace, generateName, pod status.phase Pending and status.qo
 the real server's short list of selectable fields per resource (any field works here);
 namespaces as objects; protobuf and CBOR; server-side apply; strategic-merge list keys and
 ``$patch`` directives; pagination (``limit`` is ignored, every list is complete); set-based
-label selectors; graceful deletion and finalizers (DELETE removes at once); ``watch``
+label selectors; graceful deletion and finalizers (DELETE removes at once, and with it, as the
+garbage collector would, the objects whose ownerReferences name only deleted objects); ``watch``
 ``sendInitialEvents``; slow-watcher eviction; other API groups and resources; discovery
 (``/api``, ``/apis``: clients must use the paths, as the agent's do). For the DRA kinds: no
 validation at all (field formats, DNS names, the immutability of ``spec.pool.name`` or of an

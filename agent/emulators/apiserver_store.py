@@ -215,7 +215,33 @@ class Store:
             meta = current["metadata"]
             if (uid and uid != meta.get("uid")) or (rv and rv != meta.get("resourceVersion")):
                 raise conflict(resource, name)
-            return self._commit(resource, "DELETED", current, copy.deepcopy(current))
+            gone = self._commit(resource, "DELETED", current, copy.deepcopy(current))
+            self._collect_garbage(str(meta.get("uid") or ""))
+            return gone
+
+    def _collect_garbage(self, owner_uid: str) -> None:
+        """The garbage collector (background propagation), done at once: an object with an
+        ownerReference to the deleted object's uid, and none to an object still stored, is
+        deleted too, and so on down. (The real one also deletes dependents of owners that
+        never existed, and waits for finalizers; neither is modelled.)"""
+        # Caller holds the lock.
+        pending = [owner_uid] if owner_uid else []
+        while pending:
+            uid = pending.pop()
+            dependents = [
+                (resource, obj, owners)
+                for resource, objects in self._objects.items()
+                for obj in objects.values()
+                if uid in (owners := _owner_uids(obj))
+            ]
+            if not dependents:
+                continue
+            alive = {o["metadata"].get("uid") for objects in self._objects.values() for o in objects.values()}
+            for resource, obj, owners in dependents:
+                if not owners & alive:
+                    self._commit(resource, "DELETED", obj, copy.deepcopy(obj))
+                    if obj["metadata"].get("uid"):
+                        pending.append(str(obj["metadata"]["uid"]))
 
     def _commit(
         self, resource: str, kind: str, old: dict[str, Any] | None, new: dict[str, Any]
@@ -331,6 +357,15 @@ class Store:
     def all(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         items, _ = self.list_items(resource, namespace, Selector())
         return items
+
+
+def _owner_uids(obj: dict[str, Any]) -> set[str]:
+    refs = obj["metadata"].get("ownerReferences")
+    return (
+        {str(r.get("uid")) for r in refs if isinstance(r, dict) and r.get("uid")}
+        if isinstance(refs, list)
+        else set()
+    )
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str]:

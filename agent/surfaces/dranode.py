@@ -21,6 +21,7 @@ from agent.domain.dra import DRIVER, ClaimShare, PreparedClaim
 from agent.domain.health import HealthBoard
 from agent.domain.ledger import Assignment
 from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.kube.nodes import NodeClient
 from agent.platform.kube.resourceclaims import ResourceClaimClient
 from agent.platform.kube.resourceslices import ResourceSliceClient
 from agent.settings import DraSettings
@@ -61,6 +62,7 @@ class DraIntegration:
             board,
             scaling=scaling,
             node_name=node_name,
+            node_uid=NodeClient(kube.api, node_name, settings.api_timeout_s).uid,  # the slice's owner
         )
         self.plugin = DraKubeletPlugin(
             settings,

@@ -21,6 +21,7 @@ from agent.emulators.apiserver import FakeApiServer
 from agent.emulators.draallocator import DraAllocationError
 from agent.emulators.draclaims import EXTENDED_RESOURCE_CLAIM_ANNOTATION, POD_CLAIM_NAME_ANNOTATION, PodClaims
 from agent.errors import KubeError
+from agent.platform.kube.nodes import NodeClient
 from agent.platform.kube.resourceslices import ResourceSliceClient
 from tests.integration.deploy_render import DRA_SCHEMA_VERSIONS, load_yaml, validate
 from tests.integration.kubeapi import apiserver, kube, running, wait_until
@@ -115,6 +116,40 @@ def test_a_deleted_or_edited_slice_is_put_back_and_stale_ones_go(
     )
     obj = wait_until(lambda: with_devices(apiserver, 2), what="the edit undone")
     assert pool_generation(obj) == 8, "above every generation seen in the pool"
+
+
+def test_the_slice_is_owned_by_the_node_and_collected_with_it(
+    apiserver: FakeApiServer, kube: ApiClient
+) -> None:
+    """Without a readable Node the slice is published without an owner; once the Node exists
+    it gets the ownerReference (same generation), and deleting the Node deletes the slice."""
+    publisher = SlicePublisher(
+        ResourceSliceClient(kube, NODE, DRIVER),
+        GPUS,
+        HealthBoard(g.index for g in GPUS),
+        scaling=lambda: 0.9,
+        node_name=NODE,
+        check_interval_s=0.3,
+        delete_on_stop=False,
+        node_uid=NodeClient(kube, NODE).uid,
+    )
+    with running(publisher.run, "slice-publisher"):
+        obj = wait_until(lambda: our_slice(apiserver), what="published while the Node is missing")
+        assert "ownerReferences" not in obj["metadata"]
+        node = apiserver.create_node(NODE)
+        owned = wait_until(
+            lambda: (our_slice(apiserver) or {}).get("metadata", {}).get("ownerReferences"),
+            what="the Node becomes the owner",
+        )
+        uid = node["metadata"]["uid"]
+        assert owned == [{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": uid, "controller": True}]
+        stored = our_slice(apiserver)
+        assert stored is not None and pool_generation(stored) == 1
+        validate(stored)
+    apiserver.create_object("resourceslices", node_slice("gpu-node-2"))  # unowned: stays
+    apiserver.delete_node(NODE)
+    assert our_slice(apiserver) is None, "garbage-collected with its Node"
+    assert [s["metadata"]["name"] for s in apiserver.objects("resourceslices")] == ["gpu-node-2-gpu.vcuda.io"]
 
 
 def test_api_errors_are_retried_and_a_clean_stop_withdraws_the_slice(

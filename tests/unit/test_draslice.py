@@ -4,6 +4,7 @@ generation rule (in-memory slices here; over HTTP in tests/integration/test_dra_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any
 
@@ -212,3 +213,40 @@ def test_run_publishes_then_withdraws_on_a_clean_stop() -> None:
         stop.set()
         thread.join(timeout=3)
     assert not thread.is_alive() and slices.objects == {}
+
+
+class NodeUids:
+    """The Node's uid as the API gives it: KubeError while the Node cannot be read."""
+
+    def __init__(self) -> None:
+        self.uid: str | None = None
+        self.reads = 0
+
+    def __call__(self) -> str:
+        self.reads += 1
+        if self.uid is None:
+            raise KubeError(f"read node {NODE} failed (HTTP 403): forbidden", status=403)
+        return self.uid
+
+
+def test_the_slice_is_owned_by_the_node_once_its_uid_can_be_read(caplog: pytest.LogCaptureFixture) -> None:
+    slices, board, uids = FakeSlices(), HealthBoard(g.index for g in GPUS), NodeUids()
+    pub = SlicePublisher(slices, GPUS, board, scaling=lambda: 1.0, node_name=NODE, node_uid=uids)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="agent.control.drapublisher"):
+        assert pub.sync() and pub.sync()
+    stored = slices.objects[slice_name(NODE)]
+    assert "ownerReferences" not in stored["metadata"], "published without an owner meanwhile"
+    assert uids.reads == 2, "read again on every pass"
+    assert [r.getMessage().count("without an ownerReference") for r in caplog.records] == [1]  # logged once
+    uids.uid = "node-uid-1"
+    assert pub.sync()
+    stored = slices.objects[slice_name(NODE)]
+    assert stored["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid-1", "controller": True}
+    ]
+    assert [w for w, _ in slices.writes] == ["create", "replace"] and generation(slices) == 1
+    assert pub.sync() and len(slices.writes) == 2 and uids.reads == 3, "known now: not read again"
+    del slices.objects[slice_name(NODE)]  # garbage-collected: a Node re-created under the name
+    uids.uid = "node-uid-2"
+    assert pub.sync()
+    assert slices.objects[slice_name(NODE)]["metadata"]["ownerReferences"][0]["uid"] == "node-uid-2"

@@ -44,6 +44,13 @@ class NodeClient:
         )
         return body
 
+    def uid(self) -> str:
+        """metadata.uid of the Node; KubeError when it cannot be read or has none."""
+        uid = (self.get().get("metadata") or {}).get("uid")
+        if not isinstance(uid, str) or not uid:
+            raise KubeError(f"node {self.node_name} has no metadata.uid")
+        return uid
+
     def patch_extended_resources(self, resources: Mapping[str, str]) -> None:
         """Set each resource in status.capacity and status.allocatable (PATCH nodes/<n>/status).
 
