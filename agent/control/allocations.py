@@ -162,6 +162,12 @@ class Allocations:
         if answer is None or owner is None or (answer.namespace, answer.pod, answer.container) == owner:
             return
         namespace, name, container = owner
+        held = self.ledger.holder_of(device_ids[0]) if device_ids else None  # corrected by now
+        if held is not None and (held.namespace, held.pod, held.container) == owner and _same_answer(held, answer):
+            # Two alike pods guessed the other way round: the answer carries nothing that
+            # differs between them, and the ledger now names the right one.
+            log.info("PreStartContainer: %s starts with the answer made for %s (alike)", held.label, answer.label)
+            return
         message = (
             f"kubelet starts pod {namespace}/{name} container {container} with device IDs whose "
             f"Allocate answer was made for {answer.label} (two pods asking for {answer.cores} "
@@ -215,3 +221,9 @@ class Allocations:
             for item in self.ledger.of_pod(pod.uid):
                 if item.init:
                     self.ledger.release(pod.uid, item.container)
+
+
+def _same_answer(a: Assignment, b: Assignment) -> bool:
+    """Whether Allocate would have answered both containers alike: everything the answer's
+    environment (and the MPS grant built from it) depends on is equal."""
+    return (a.gpus, a.cores, a.memory_mib, a.policy, a.limit) == (b.gpus, b.cores, b.memory_mib, b.policy, b.limit)

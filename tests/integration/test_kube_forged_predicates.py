@@ -84,3 +84,17 @@ def test_a_container_whose_allocate_was_for_another_pod_is_not_started(
     cluster.node.admit(first)
     agent.wait_for_log(r"PreStartContainer: 30 IDs on GPU \d confirmed")
     assert ("first", "cuda") in ledger_rows(port) and agent.proc.poll() is None
+
+
+def test_alike_pods_guessed_the_other_way_round_start(start_agent: Start, cluster: Cluster) -> None:
+    """Two pods with the same request and annotations: the answer made for one is the answer
+    the other would get, so a wrong guess blocks nobody; the ledger follows kubelet."""
+    agent, port = start(start_agent, cluster)
+    cluster.node.create_pod(pod_manifest("first", ("cuda", 30, GIB)))
+    second = cluster.node.create_pod(pod_manifest("second", ("cuda", 30, GIB)))
+    step = cluster.kubelet.allocate(second, "cuda")
+    agent.wait_for_log(r"Allocate: default/first/cuda gets 30 vcuda-core")
+    cluster.kubelet.pre_start(step.device_ids)
+    agent.wait_for_log(r"PreStartContainer: default/second/cuda starts with the answer made for default/first/cuda")
+    assert ledger_rows(port) == truth_rows(cluster.pod_resources)
+    assert "GPUAllocationMismatch" not in {e["reason"] for e in cluster.api.events("default")}
