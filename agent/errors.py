@@ -72,6 +72,10 @@ class AllocationError(VcudaError):
     """A device request breaks a rule (e.g. 150 vcuda-core) or cannot be placed."""
 
 
+class WrongPodStartError(AllocationError):
+    """PreStartContainer for IDs whose Allocate answer was built for another pod's container."""
+
+
 class DeviceIdError(AllocationError):
     """A device ID that is malformed or names an unknown GPU."""
 

@@ -1,11 +1,19 @@
 """Allocate ↔ pod: match kubelet's device IDs to a pod's container, record it in the
-ledger, annotate the pod, and release shares when pods finish or go away."""
+ledger, annotate the pod, and release shares when pods finish or go away.
+
+Allocate cannot know which pod it is for (matching.py guesses, kubelet's pod-resources tells
+later). kubelet keeps Allocate's answer and starts the container with it, so each answer is
+remembered with the container it was built for: PreStartContainer refuses IDs whose answer
+was for another container than the one kubelet starts (``check_start``). The ledger is
+corrected either way (recovery.py); the refusal keeps a container from running with another
+pod's environment (its MPS limits, its memory quota)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 from agent.control.annotator import Annotator
@@ -15,12 +23,13 @@ from agent.domain.ledger import Assignment, Ledger
 from agent.domain.matching import Candidate, ProfileCache, candidates_in, match, placement_annotations, steer
 from agent.domain.placement import Placer
 from agent.domain.requests import ResolvedRequest, is_whole
-from agent.errors import AllocationError, InsufficientCapacityError, VcudaError
+from agent.errors import AllocationError, InsufficientCapacityError, VcudaError, WrongPodStartError
 from agent.platform.kube.pods import PodInfo
 
 log = logging.getLogger(__name__)
 
 PodListener = Callable[[PodInfo], object]
+MAX_ANSWERS = 4096  # Allocate answers remembered for PreStartContainer (one per container start)
 
 
 class Allocations:
@@ -48,6 +57,7 @@ class Allocations:
         self._wait_s = wait_for_pod_s
         self._lock = threading.Lock()  # matching + ledger update are one step
         self._profiles = ProfileCache(node_name)
+        self._answers: OrderedDict[frozenset[str], Assignment] = OrderedDict()  # guarded by _lock
         self.on_assigned: list[PodListener] = []
         self.allocations = 0
         self.refusals = 0
@@ -85,6 +95,7 @@ class Allocations:
         try:
             with self._lock:
                 item, pod = self._assign(device_ids, resolved)
+                self._remember(item)
         except AllocationError:
             self.refusals += 1
             raise
@@ -128,6 +139,47 @@ class Allocations:
             raise
         return item, chosen.pod
 
+    def _remember(self, item: Assignment) -> None:
+        self._answers[item.device_ids] = item
+        self._answers.move_to_end(item.device_ids)
+        while len(self._answers) > MAX_ANSWERS:
+            self._answers.popitem(last=False)
+
+    def forget(self, item: Assignment) -> None:
+        """An Allocate that failed as a whole: kubelet does not keep this answer."""
+        with self._lock:
+            if self._answers.get(item.device_ids) is item:
+                del self._answers[item.device_ids]
+
+    # PreStartContainer --------------------------------------------------------------
+    def check_start(self, device_ids: Sequence[str], owner: tuple[str, str, str] | None) -> None:
+        """Raise WrongPodStartError when kubelet starts ``owner`` (namespace, pod, container,
+        from its pod-resources) with IDs whose Allocate answer was built for another container:
+        kubelet would run it with that answer's environment. ``owner`` None (kubelet could
+        not tell) passes: nothing contradicts the answer."""
+        with self._lock:
+            answer = self._answers.get(frozenset(device_ids))
+        if answer is None or owner is None or (answer.namespace, answer.pod, answer.container) == owner:
+            return
+        namespace, name, container = owner
+        held = self.ledger.holder_of(device_ids[0]) if device_ids else None  # corrected by now
+        if held is not None and (held.namespace, held.pod, held.container) == owner and _same_answer(held, answer):
+            # Two alike pods guessed the other way round: the answer carries nothing that
+            # differs between them, and the ledger now names the right one.
+            log.info("PreStartContainer: %s starts with the answer made for %s (alike)", held.label, answer.label)
+            return
+        message = (
+            f"kubelet starts pod {namespace}/{name} container {container} with device IDs whose "
+            f"Allocate answer was made for {answer.label} (two pods asking for {answer.cores} "
+            "vcuda-core were pending at once and the agent guessed wrong): starting it would give "
+            "it the other pod's environment, so PreStartContainer refuses; delete the pod (its "
+            "controller re-creates it) and it is allocated again"
+        )
+        starting = self._pods.find(namespace, name)
+        if starting is not None:
+            self._events.pod(starting, "GPUAllocationMismatch", message)
+        raise WrongPodStartError(message)
+
     def _await_best(self, size: int) -> Candidate | None:
         # kubelet admits a pod as soon as its own watch sees it; ours may be a moment behind.
         self._pods.wait_for(lambda: self._best(size) is not None, self._wait_s)
@@ -169,3 +221,9 @@ class Allocations:
             for item in self.ledger.of_pod(pod.uid):
                 if item.init:
                     self.ledger.release(pod.uid, item.container)
+
+
+def _same_answer(a: Assignment, b: Assignment) -> bool:
+    """Whether Allocate would have answered both containers alike: everything the answer's
+    environment (and the MPS grant built from it) depends on is equal."""
+    return (a.gpus, a.cores, a.memory_mib, a.policy, a.limit) == (b.gpus, b.cores, b.memory_mib, b.policy, b.limit)

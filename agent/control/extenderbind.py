@@ -13,8 +13,9 @@
 4. POST the Binding. The node agent reads the annotations at Allocate.
 
 Any failure releases the reservation; after a failed Binding the annotations are removed
-again (best effort: left behind, they would charge the pod on that node until it is bound
-elsewhere or deleted). A pod that asks for no vcuda resource is bound as it is.
+again (best effort: left behind on the unbound pod they charge nothing, the view counts
+predicate annotations only on a bound pod). A pod that asks for no vcuda resource is bound
+as it is.
 """
 
 from __future__ import annotations

@@ -2,14 +2,18 @@
 
 Nodes: each Node's ``nvidia.com/vcuda-inventory`` annotation is decoded into the book
 (missing or malformed: the node is known but not eligible, with the reason). Pods: every pod
-with GPU containers that is bound (``spec.nodeName``) or predicated (``predicate-node``
-annotation, written by our bind before the Binding) and not finished is charged on its node,
-with the GPUs its ``predicate-gpu-idx-*`` annotations name (a container without one counts
-against the node as a whole, see ClusterBook.charge). A deleted or finished pod is uncharged.
-Terminating pods stay charged until they are gone: their containers still hold the GPU.
+with GPU containers that is bound (``spec.nodeName``) and not finished is charged on its node,
+with the GPUs its ``predicate-gpu-idx-*`` annotations name when its ``predicate-node`` is that
+node (a container without one counts against the node as a whole, see ClusterBook.charge). A
+deleted or finished pod is uncharged. Terminating pods stay charged until they are gone: their
+containers still hold the GPU. An unbound pod is charged only while our own bind holds a
+reservation for it: ``predicate-*`` annotations are writable by whoever may edit the pod, so
+on a Pending pod without ``spec.nodeName`` they count for nothing (docs/extender.md, "What is
+trusted").
 
 Because every charge is derived from the API objects (nodeName + annotations) and nothing
-else, a restarted extender rebuilds exactly the same book from its first LIST.
+else, a restarted extender rebuilds exactly the same book from its first LIST (an annotated
+pod it had not bound yet holds nothing: kube-scheduler binds it again, through a reservation).
 
 Reservations: bind charges the pod (``reserve``) before it writes anything, under the same
 lock as every filter, so two concurrent binds can never both take the last share of a GPU.
@@ -176,14 +180,17 @@ class ExtenderView:
         self._book.uncharge(uid)
 
     def _apply_pod(self, pod: PodInfo, demand: PodDemand) -> None:
-        predicated = pod.annotations.get(PREDICATE_NODE, "")
-        node = pod.node_name or predicated
+        # Only spec.nodeName puts a pod on a node: a Binding (ours, or another scheduler's) or
+        # the pod's creator set it, and kubelet admits a bound pod only within the node's
+        # capacity. predicate-* annotations on an unbound pod prove nothing (a tenant may write
+        # them on its own Pending pod); our own unfinished binds are held by reservations.
+        node = pod.node_name
         if not node or pod.finished:
             self._book.uncharge(pod.uid)
             return
         # Annotations naming another node are left from a failed bind: GPUs not known then.
         gpus: Mapping[GpuKey, tuple[int, ...]] = (
-            placed_gpus(demand, pod.annotations) if predicated == node else {}
+            placed_gpus(demand, pod.annotations) if pod.annotations.get(PREDICATE_NODE) == node else {}
         )
         self._book.charge(pod.uid, node, demand, gpus)
 

@@ -39,6 +39,8 @@ from agent.platform.kube.pods import CORE_RESOURCE, MEMORY_RESOURCE, PodInfo
 
 log = logging.getLogger(__name__)
 
+Owner = tuple[str, str, str]  # (namespace, pod, container) as kubelet's pod-resources names them
+
 
 @dataclass
 class RebuildReport:
@@ -81,15 +83,20 @@ class LedgerRecovery:
     def verify(self, device_ids: Sequence[str]) -> str:
         """'confirmed', 'corrected' or 'unverified' (kubelet could not tell, or did not answer:
         then ``run`` checks again later)."""
+        return self.verify_owner(device_ids)[0]
+
+    def verify_owner(self, device_ids: Sequence[str]) -> tuple[str, Owner | None]:
+        """``verify``, plus the (namespace, pod, container) kubelet gave the IDs to (None when
+        unverified)."""
         if self._truth is None or not device_ids:
-            return "unverified"
+            return "unverified", None
         with self._lock:
             if self._failing:  # kubelet is not answering: the loop asks it, PreStart goes ahead
                 self._pending[frozenset(device_ids)] = list(device_ids)
-                return "unverified"
+                return "unverified", None
         return self._check(list(device_ids))
 
-    def _check(self, device_ids: list[str]) -> str:
+    def _check(self, device_ids: list[str]) -> tuple[str, Owner | None]:
         assert self._truth is not None
         wanted = frozenset(device_ids)
         assumed = self._ledger.holder_of(device_ids[0])
@@ -98,16 +105,16 @@ class LedgerRecovery:
                 records = self._truth.get(assumed.namespace, assumed.pod)
                 if records is not None and self._owner(records, wanted) == _who(assumed):
                     self._answered(wanted)
-                    return "confirmed"
+                    return "confirmed", _who(assumed)
             owner = self._owner(self._truth.list(), wanted)
         except KubeletError as err:
             self._not_answered(err, device_ids)
-            return "unverified"
+            return "unverified", None
         self._answered(wanted)
         if owner is None:
             log.warning("PreStartContainer: kubelet's pod-resources does not list %d IDs yet", len(wanted))
-            return "unverified"
-        return self._settle(assumed, owner, wanted)
+            return "unverified", None
+        return self._settle(assumed, owner, wanted), owner
 
     def _settle(self, assumed: Assignment | None, owner: tuple[str, str, str], ids: frozenset[str]) -> str:
         if assumed is not None and _who(assumed) == owner:
@@ -115,7 +122,7 @@ class LedgerRecovery:
         self._correct(assumed, owner, ids)
         return "corrected"
 
-    def _owner(self, records: Sequence[DeviceRecord], wanted: frozenset[str]) -> tuple[str, str, str] | None:
+    def _owner(self, records: Sequence[DeviceRecord], wanted: frozenset[str]) -> Owner | None:
         for r in records:
             if r.resource == self._resource and wanted <= frozenset(r.device_ids):
                 return r.namespace, r.pod, r.container
@@ -167,7 +174,7 @@ class LedgerRecovery:
         with self._lock:
             pending = list(self._pending.values())
         for ids in pending:
-            if self._check(ids) == "unverified" and self._failing:
+            if self._check(ids)[0] == "unverified" and self._failing:
                 return
         if self._unchecked_rebuild:
             self._check_rebuild()

@@ -5,11 +5,16 @@ that ask for vcuda-core with a GPU container not yet in the ledger (the ledger, 
 the ``gpu-assigned`` annotation, decides: the annotation is written asynchronously
 and a ledger correction may undo an assignment); a pod's candidate container is its
 next GPU container (init containers first, kubelet's order) without a ledger entry,
-and it must request exactly as many cores as there are IDs. Pods placed by the
-scheduler extender (``predicate-time``) come first, oldest bind first; then the rest,
-oldest first. The first candidate whose predicated GPUs agree with the IDs wins (an
-unpredicated one always agrees); if only disagreeing ones are left, the Allocate fails
-naming the pod, the container and both GPU sets.
+and it must request exactly as many cores as there are IDs. Candidates rank by
+``metadata.creationTimestamp`` (then namespace/name): kubelet admits the pods of one batch
+oldest first, and the API server sets that field, so a pod cannot move itself ahead. The
+``predicate-time`` annotation does not rank (gpu-admission's key): whoever may edit a pod may
+write it, and a forged early one used to win a victim's Allocate (docs/extender.md, "What is
+trusted"). The first candidate whose predicated GPUs agree with the IDs wins (an unpredicated
+one always agrees); if only disagreeing ones are left, the Allocate fails naming the pod, the
+container and both GPU sets. A wrong guess is still possible (two alike pods in flight at
+once); PreStartContainer refuses to start a container whose Allocate answer was for another pod
+(``Allocations.check_start``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from agent.domain.annotations import (
     PREDICATE_TIME,
     is_assigned,
     predicate_key,
-    predicate_time,
     predicated_gpus,
 )
 from agent.domain.ledger import Assignment, Ledger
@@ -57,7 +61,7 @@ class PodProfile:
     """A pending GPU pod's containers parsed once (quantities, predicates) and its rank."""
 
     pod: PodInfo
-    rank: tuple[int, float, float, str]
+    rank: tuple[float, str]  # (creationTimestamp, namespace/name): kubelet's admission order
     containers: tuple[Candidate, ...]  # its GPU containers in kubelet's order
 
 
@@ -119,9 +123,7 @@ def profile(pod: PodInfo, node_name: str) -> PodProfile | None:
             return None  # the API server validates quantities; a garbled one cannot be ours
         predicated = predicated_gpus(pod.annotations, container.index, container.init)
         items.append(Candidate(pod, container, cores, memory, predicated))
-    bound = predicate_time(pod.annotations)
-    rank = (0 if bound is not None else 1, float(bound or 0), pod.created, pod.key)
-    return PodProfile(pod, rank, tuple(items))
+    return PodProfile(pod, (pod.created, pod.key), tuple(items))
 
 
 def candidates_in(

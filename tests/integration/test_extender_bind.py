@@ -318,3 +318,31 @@ def test_bind_serves_the_schedulers_it_is_told(apiserver: FakeApiServer, kubecon
         ours = apiserver.create_pod(manifest)
         assert bind(ext.url, ours, ONE) == ""
         assert node_of(apiserver, ours) == ONE
+
+
+def test_forged_predicate_annotations_on_unbound_pods_hold_no_gpu(
+    apiserver: FakeApiServer, kubeconfig: Path
+) -> None:
+    """Issue 25 item 4a: a tenant's own Pending pods, annotated as if our bind had placed them
+    on the node's only GPU, used to make every other pod's filter fail ("0 cores free")."""
+    forged = {IDX0: "0", PREDICATE_NODE: ONE, PREDICATE_TIME: "1", GPU_ASSIGNED: "false"}
+    for name, cores in (("squat-a", 60), ("squat-b", 40)):
+        create(apiserver, name, cores, 1024, annotations=forged)
+    probe = gpu_pod("probe", 50, 1024)
+    probe["metadata"]["uid"] = "probe-uid"
+    for round_ in range(2):  # the live watch, then a restarted extender's first LIST
+        with running_extender(apiserver, kubeconfig) as ext:
+            # A pod created after the forged ones: once the (ordered) watch shows it, it showed them.
+            marker = create(apiserver, f"marker-{round_}", 10, 1024, node="gpu-four")
+            wait_until(lambda: ext.view.charge_of(marker["metadata"]["uid"]) is not None)  # noqa: B023
+            assert used_cores(ext, ONE) == 0
+            status, result = post(ext.url, "filter", args_names(probe, [ONE]))
+            assert status == 200 and result["nodenames"] == [ONE], result
+    with running_extender(apiserver, kubeconfig) as ext:
+        # What our own bind places does count, and the forged pod is still bindable.
+        squat = apiserver.pod("default", "squat-a")
+        assert squat is not None and bind(ext.url, squat, ONE) == ""
+        assert pod_annotations(apiserver, squat)[PREDICATE_TIME] != "1"  # bind wrote its own
+        wait_until(lambda: used_cores(ext, ONE) == 60 and ext.view.reservations() == {})
+        _, result = post(ext.url, "filter", args_names(probe, [ONE]))
+        assert result["nodenames"] == [] and "GPU 0" in result["failedNodes"][ONE]

@@ -8,7 +8,7 @@ import pytest
 
 from agent.clock import VirtualClock
 from agent.control.extenderview import NOT_MANAGED, ExtenderView
-from agent.domain.annotations import PREDICATE_NODE, predicate_key
+from agent.domain.annotations import GPU_ASSIGNED, PREDICATE_NODE, PREDICATE_TIME, predicate_key
 from agent.domain.clusterbook import ClusterBook, NoFitError
 from agent.domain.nodeinventory import INVENTORY_ANNOTATION, GpuEntry, NodeInventory, encode
 from agent.domain.schedrequest import pod_demand
@@ -60,13 +60,26 @@ def fits(view: ExtenderView, cores: int) -> bool:
     return view.filter(demand, [NODE])[0] == [NODE]
 
 
-def test_bound_and_predicated_pods_are_charged_and_deletion_uncharges(view: ExtenderView) -> None:
+def test_bound_pods_are_charged_and_deletion_uncharges(view: ExtenderView) -> None:
     view.on_pod_event("ADDED", pod_obj("a", 60, NODE, {IDX0: "0", PREDICATE_NODE: NODE}))
     assert not fits(view, 50) and fits(view, 40)
     view.on_pod_event("DELETED", pod_obj("a", 60, NODE))
     assert fits(view, 100)
-    view.on_pod_event("ADDED", pod_obj("b", 60, "", {IDX0: "0", PREDICATE_NODE: NODE}))  # assumed
+
+
+def test_predicate_annotations_on_an_unbound_pod_charge_nothing(view: ExtenderView) -> None:
+    # A tenant may write them on its own Pending pod: without spec.nodeName (only a Binding or
+    # the creator sets it, and kubelet admits a bound pod only within the node's capacity) or
+    # a reservation of our bind, they hold no GPU.
+    forged = {IDX0: "0", PREDICATE_NODE: NODE, PREDICATE_TIME: "1", GPU_ASSIGNED: "false"}
+    view.on_pod_event("ADDED", pod_obj("forged", 60, "", forged))
+    view.on_pod_event("MODIFIED", pod_obj("forged", 60, "", forged))
+    assert view.charge_of("forged") is None and fits(view, 100)
+    # Our own bind of that pod does charge it, whatever it says.
+    reserve(view, pod_obj("forged", 60, "", forged))
     assert not fits(view, 50)
+    view.release("forged")  # the bind failed: back to what the API says, nothing
+    assert view.charge_of("forged") is None and fits(view, 100)
 
 
 def test_finished_pods_are_uncharged_and_terminating_pods_are_not(view: ExtenderView) -> None:

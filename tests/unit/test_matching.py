@@ -1,4 +1,4 @@
-"""Which pod an Allocate is for: predicated pods by bind time, then the rest by age."""
+"""Which pod an Allocate is for: by age (kubelet's order), never by a pod's own annotations."""
 
 from __future__ import annotations
 
@@ -27,16 +27,28 @@ def pick(pods: list[PodInfo], size: int, gpus: tuple[int, ...], ledger: Ledger |
     return f"{chosen.pod.name}/{chosen.container.name}"
 
 
-def test_two_predicated_pods_with_equal_requests_oldest_bind_wins() -> None:
-    young = make_pod("young", container("c", 50, 1024), annotations=predicated("0", 2000))
-    old = make_pod("old", container("c", 50, 1024), annotations=predicated("0", 1000))
+def test_two_predicated_pods_with_equal_requests_oldest_pod_wins() -> None:
+    young = make_pod(
+        "young", container("c", 50, 1024), created="2026-11-22T11:00:00Z", annotations=predicated("0", 1000)
+    )
+    old = make_pod(
+        "old", container("c", 50, 1024), created="2026-11-22T10:00:00Z", annotations=predicated("0", 2000)
+    )
     assert pick([young, old], 50, (0,)) == "old/c"
 
 
-def test_predicated_pods_come_before_older_unpredicated_ones() -> None:
-    plain = make_pod("plain", container("c", 50, 1024), created="2026-01-01T00:00:00Z")
-    placed = make_pod("placed", container("c", 50, 1024), annotations=predicated("0", 5))
-    assert pick([plain, placed], 50, (0,)) == "placed/c"
+def test_a_forged_predicate_time_does_not_move_a_pod_ahead() -> None:
+    # Issue 25 item 4b: predicate-time is writable by whoever edits the pod; kubelet admits
+    # by creationTimestamp, which the API server sets.
+    victim = make_pod("victim", container("c", 50, 1024), created="2026-01-01T00:00:00Z")
+    tenant = make_pod(
+        "tenant", container("c", 50, 1024), created="2026-01-01T00:00:05Z", annotations=predicated("0", 1)
+    )
+    assert pick([tenant, victim], 50, (0,)) == "victim/c"
+    bound = make_pod(
+        "bound", container("c", 50, 1024), created="2026-01-01T00:00:00Z", annotations=predicated("0", 9)
+    )
+    assert pick([tenant, bound], 50, (0,)) == "bound/c"
 
 
 def test_the_candidate_whose_predicate_agrees_with_the_ids_wins() -> None:

@@ -16,7 +16,13 @@ from agent.domain.health import HealthBoard
 from agent.domain.ledger import Assignment
 from agent.domain.placement import Placer
 from agent.domain.requests import ResolvedRequest, resolve_ids
-from agent.errors import AllocationError, GpuUnhealthyError, InsufficientCapacityError, VcudaError
+from agent.errors import (
+    AllocationError,
+    GpuUnhealthyError,
+    InsufficientCapacityError,
+    VcudaError,
+    WrongPodStartError,
+)
 from agent.platform.gpu.inventory import GpuInfo, Topology
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -133,6 +139,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         if self.allocations is not None:
             for item in assigned:
                 self.allocations.ledger.release(item.pod_uid, item.container)
+                self.allocations.forget(item)
 
     def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
@@ -143,13 +150,18 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         except VcudaError as err:
             _abort(context, err, "PreStartContainer")
         if self.recovery is not None:
-            outcome = self.recovery.verify(list(request.devices_ids))
+            outcome, owner = self.recovery.verify_owner(list(request.devices_ids))
             log.info(
                 "PreStartContainer: %d IDs on GPU %s %s by kubelet's pod-resources",
                 item.cores,
                 ",".join(str(g.index) for g in item.gpus),
                 outcome,
             )
+            if self.allocations is not None:
+                try:
+                    self.allocations.check_start(list(request.devices_ids), owner)
+                except VcudaError as err:
+                    _abort(context, err, "PreStartContainer")
         return pb.PreStartContainerResponse()
 
     def _check_healthy(self, item: ResolvedRequest) -> None:
@@ -161,7 +173,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
 
 
 def _status_code(err: VcudaError) -> grpc.StatusCode:
-    if isinstance(err, GpuUnhealthyError):
+    if isinstance(err, GpuUnhealthyError | WrongPodStartError):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(err, InsufficientCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
