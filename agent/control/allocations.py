@@ -163,10 +163,13 @@ class Allocations:
             return
         namespace, name, container = owner
         held = self.ledger.holder_of(device_ids[0]) if device_ids else None  # corrected by now
-        if held is not None and (held.namespace, held.pod, held.container) == owner and _same_answer(held, answer):
+        alike = held is not None and _same_answer(held, answer)
+        if held is not None and alike and (held.namespace, held.pod, held.container) == owner:
             # Two alike pods guessed the other way round: the answer carries nothing that
             # differs between them, and the ledger now names the right one.
-            log.info("PreStartContainer: %s starts with the answer made for %s (alike)", held.label, answer.label)
+            log.info(
+                "PreStartContainer: %s starts with the answer made for %s (alike)", held.label, answer.label
+            )
             return
         message = (
             f"kubelet starts pod {namespace}/{name} container {container} with device IDs whose "
@@ -226,4 +229,8 @@ class Allocations:
 def _same_answer(a: Assignment, b: Assignment) -> bool:
     """Whether Allocate would have answered both containers alike: everything the answer's
     environment (and the MPS grant built from it) depends on is equal."""
-    return (a.gpus, a.cores, a.memory_mib, a.policy, a.limit) == (b.gpus, b.cores, b.memory_mib, b.policy, b.limit)
+
+    def profile(x: Assignment) -> tuple[object, ...]:
+        return (x.gpus, x.cores, x.memory_mib, x.policy, x.limit)
+
+    return profile(a) == profile(b)

@@ -95,6 +95,6 @@ def test_alike_pods_guessed_the_other_way_round_start(start_agent: Start, cluste
     step = cluster.kubelet.allocate(second, "cuda")
     agent.wait_for_log(r"Allocate: default/first/cuda gets 30 vcuda-core")
     cluster.kubelet.pre_start(step.device_ids)
-    agent.wait_for_log(r"PreStartContainer: default/second/cuda starts with the answer made for default/first/cuda")
+    agent.wait_for_log(r"PreStartContainer: default/second/cuda starts with the answer made for default/f")
     assert ledger_rows(port) == truth_rows(cluster.pod_resources)
     assert "GPUAllocationMismatch" not in {e["reason"] for e in cluster.api.events("default")}
