@@ -25,7 +25,7 @@ DEFAULT_STATE_DIR = Path("/run/vcuda-agent")  # freeze journal, status socket (a
 class DeviceListStrategy(enum.StrEnum):
     """How Allocate hands GPUs to the container."""
 
-    MOUNTS = "mounts"  # device nodes + host driver files mounted at /usr/local/nvidia (plain runc)
+    MOUNTS = "mounts"  # device nodes + host driver files in /usr/bin and the library dirs (plain runc)
     ENVVAR = "envvar"  # NVIDIA_VISIBLE_DEVICES=<uuids> for the NVIDIA container runtime
     CDI = "cdi"  # CDI device names nvidia.com/gpu=<uuid>
 

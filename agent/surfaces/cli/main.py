@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-list-strategy",
         choices=[s.value for s in DeviceListStrategy],
         default="mounts",
-        help="mounts: device nodes + host driver files at /usr/local/nvidia (plain runc); "
+        help="mounts: device nodes + host driver files in /usr/bin and the library dirs (plain runc); "
         "envvar: NVIDIA_VISIBLE_DEVICES for the NVIDIA runtime; cdi: CDI names nvidia.com/gpu=<uuid>",
     )
     p.add_argument(
