@@ -2,7 +2,8 @@
 
 With the ``mounts`` device-list strategy each container gets them read-only where an image
 already looks, so plain runc runs CUDA programs without the NVIDIA container runtime and
-without any variable of ours replacing the image's own PATH or LD_LIBRARY_PATH (docs/security.md):
+without any variable of ours replacing the image's own PATH or LD_LIBRARY_PATH (README.md,
+"What a container gets"):
 
 - tools in /usr/bin, on every image's PATH (where nvidia-container-toolkit puts them too);
 - libraries in the dynamic linker's built-in search directories: /usr/lib/<triplet> of

@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the host's / is seen, to find the container runtime's socket (default /; /host in a pod)",
     )
+    p.add_argument(
+        "--nvidia-toolkit-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="the NVIDIA container toolkit's config.toml, checked for the NVIDIA_VISIBLE_DEVICES hole "
+        "(repeatable; default: etc/nvidia-container-runtime/config.toml and the GPU operator's "
+        "usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml under --host-root)",
+    )
     p.add_argument("--no-ioctl-tracing", action="store_true", help="no eBPF ioctl tracer: NVML alone")
     p.add_argument(
         "--bpf-dir",
