@@ -25,7 +25,7 @@ DEFAULT_STATE_DIR = Path("/run/vcuda-agent")  # freeze journal, status socket (a
 class DeviceListStrategy(enum.StrEnum):
     """How Allocate hands GPUs to the container."""
 
-    MOUNTS = "mounts"  # device nodes + host driver files mounted at /usr/local/nvidia (plain runc)
+    MOUNTS = "mounts"  # device nodes + host driver files in /usr/bin and the library dirs (plain runc)
     ENVVAR = "envvar"  # NVIDIA_VISIBLE_DEVICES=<uuids> for the NVIDIA container runtime
     CDI = "cdi"  # CDI device names nvidia.com/gpu=<uuid>
 
@@ -41,6 +41,9 @@ class DevicePluginSettings:
     driver_root: Path = Path("/")  # host path of the NVIDIA driver files and /dev
     driver_root_in_agent: Path | None = None  # where this process sees driver_root (None: the same)
     register_retry_s: float = 5.0  # retry registration this often while kubelet is unreachable
+    # The NVIDIA container toolkit's config.toml files to check for the NVIDIA_VISIBLE_DEVICES
+    # hole, as this process sees them (None: the usual places under CgroupSettings.host_root).
+    toolkit_configs: tuple[Path, ...] | None = None
 
     @property
     def socket_path(self) -> Path:

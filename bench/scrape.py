@@ -94,6 +94,7 @@ def synthetic_state(n_gpus: int, per_gpu: int) -> dict[str, Collector]:
         endpoint_status=lambda: EndpointStatus(True, True, 1, 0, ""),
         gpu_degraded=dict,
         call_timeouts=dict,
+        visible_devices_hole=lambda: ("closed", "the toolkit ignores unprivileged NVIDIA_VISIBLE_DEVICES"),
     )
     kube = SimpleNamespace(
         node_name=NODE,

@@ -1,9 +1,17 @@
 """Finding the host's NVIDIA driver libraries and tools.
 
-With the ``mounts`` device-list strategy each container gets them read-only under
-/usr/local/nvidia, so plain runc runs CUDA programs without the NVIDIA container
-runtime. Symlinks are resolved inside the driver root, so every mount names a
-real file on the host.
+With the ``mounts`` device-list strategy each container gets them read-only where an image
+already looks, so plain runc runs CUDA programs without the NVIDIA container runtime and
+without any variable of ours replacing the image's own PATH or LD_LIBRARY_PATH (README.md,
+"What a container gets"):
+
+- tools in /usr/bin, on every image's PATH (where nvidia-container-toolkit puts them too);
+- libraries in the dynamic linker's built-in search directories: /usr/lib/<triplet> of
+  Debian/Ubuntu images and /usr/lib64 of RHEL-family ones. The linker searches them after
+  LD_LIBRARY_PATH and its cache, so no ldconfig run (a hook Allocate cannot ask for) is
+  needed. An image's runtime creates whichever of the two it lacks; its linker never reads it.
+
+Symlinks are resolved inside the driver root, so every mount names a real file on the host.
 """
 
 from __future__ import annotations
@@ -16,7 +24,13 @@ from pathlib import Path, PurePosixPath
 
 log = logging.getLogger(__name__)
 
-CONTAINER_ROOT = PurePosixPath("/usr/local/nvidia")
+CONTAINER_BINARY_DIR = PurePosixPath("/usr/bin")
+# GNU multiarch triplets by `uname -m`: the name of Debian's library directory.
+_TRIPLETS = {
+    "x86_64": "x86_64-linux-gnu",
+    "aarch64": "aarch64-linux-gnu",
+    "ppc64le": "powerpc64le-linux-gnu",
+}
 LIBRARY_PREFIXES = (
     "libcuda.so",
     "libcudadebugger.so",
@@ -67,11 +81,27 @@ class DriverFiles:
         return self.libraries + self.binaries
 
 
-def discover_driver_files(host_root: Path, visible_root: Path | None = None) -> DriverFiles:
+def container_library_dirs(machine: str | None = None) -> tuple[PurePosixPath, ...]:
+    """Where a container's dynamic linker looks without LD_LIBRARY_PATH or ldconfig, for
+    this node's architecture (``machine``: ``uname -m``, this host's by default)."""
+    triplet = _TRIPLETS.get(machine or os.uname().machine)
+    multiarch = (PurePosixPath("/usr/lib") / triplet,) if triplet else ()
+    return (*multiarch, PurePosixPath("/usr/lib64"))
+
+
+def discover_driver_files(
+    host_root: Path, visible_root: Path | None = None, machine: str | None = None
+) -> DriverFiles:
     """Driver files under ``visible_root`` (this process's view), named by their ``host_root`` paths."""
     seen_at = visible_root or host_root
-    libraries = _collect(seen_at, host_root, LIBRARY_DIRS, lambda n: n.startswith(LIBRARY_PREFIXES), "lib64")
-    binaries = _collect(seen_at, host_root, BINARY_DIRS, lambda n: n in BINARIES, "bin")
+    libraries = _collect(
+        seen_at,
+        host_root,
+        LIBRARY_DIRS,
+        lambda n: n.startswith(LIBRARY_PREFIXES),
+        container_library_dirs(machine),
+    )
+    binaries = _collect(seen_at, host_root, BINARY_DIRS, lambda n: n in BINARIES, (CONTAINER_BINARY_DIR,))
     if not libraries:
         log.info("no NVIDIA driver libraries under %s: containers get device nodes only", seen_at)
     return DriverFiles(libraries, binaries)
@@ -82,9 +112,9 @@ def _collect(
     host_root: Path,
     dirs: tuple[str, ...],
     wanted: Callable[[str], bool],
-    subdir: str,
+    container_dirs: tuple[PurePosixPath, ...],
 ) -> tuple[DriverMount, ...]:
-    mounts: dict[str, DriverMount] = {}
+    mounts: dict[str, list[DriverMount]] = {}
     for rel_dir in dirs:
         directory = seen_at / rel_dir
         try:
@@ -97,10 +127,9 @@ def _collect(
             target = _resolve_inside(seen_at, PurePosixPath("/") / rel_dir / name)
             if target is None:
                 continue
-            mounts[name] = DriverMount(
-                str(CONTAINER_ROOT / subdir / name), str(host_root / target.relative_to("/"))
-            )
-    return tuple(mounts.values())
+            host_path = str(host_root / target.relative_to("/"))
+            mounts[name] = [DriverMount(str(d / name), host_path) for d in container_dirs]
+    return tuple(m for per_name in mounts.values() for m in per_name)
 
 
 def _resolve_inside(root: Path, path: PurePosixPath) -> PurePosixPath | None:

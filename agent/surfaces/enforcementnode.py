@@ -75,6 +75,8 @@ class EnforcementIntegration:
         self._kube = kube
         self.sharing = sharing
         self.dra_state: Callable[[], str] = lambda: "off"  # the node agent sets it under --dra
+        # The node agent sets it: the NVIDIA_VISIBLE_DEVICES hole's (state, detail).
+        self.visible_devices_hole: Callable[[], tuple[str, str]] = lambda: ("unknown", "not checked")
         self._clock = clock or SystemClock()
         self._started = self._clock.monotonic()
         procfs = ProcFS(host.cgroup_settings.proc_root)
@@ -253,6 +255,7 @@ class EnforcementIntegration:
             bpf=self._host.bpf_status(),
             freeze_journal=self.journal.write_error or "ok",
             dra=self.dra_state(),
+            visible_devices_hole=self.visible_devices_hole(),
         )
         return status_document(
             node=self.node_name,

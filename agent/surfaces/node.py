@@ -12,6 +12,7 @@ from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
+from agent.control.visibledevices import VisibleDevicesCheck
 from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
 from agent.domain.nodeconfig import ClusterConfig
 from agent.domain.placement import Placer
@@ -21,6 +22,7 @@ from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.factory import open_backend
 from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.platform.toolkitconfig import default_paths
 from agent.settings import Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
@@ -70,6 +72,8 @@ class NodeAgent:
         plugin = settings.plugin
         driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
         responses = ResponseBuilder(plugin.device_list_strategy, driver, plugin.driver_root)
+        toolkit_configs = plugin.toolkit_configs or default_paths(settings.cgroups.host_root)
+        self.visible_devices = VisibleDevicesCheck(toolkit_configs, plugin.device_list_strategy.value)
         topology = self.backend.topology()
         plugin_gpus, dra_gpus = split_gpus(self.gpus, settings.dra)
         placer = Placer(plugin_gpus, topology)
@@ -137,6 +141,8 @@ class NodeAgent:
             log.error("no enforcement: it needs the host integration (cgroups) and the Kubernetes API")
         if self.enforcement is not None and self.dra is not None:
             self.enforcement.dra_state = self.dra.describe
+        if self.enforcement is not None:
+            self.enforcement.visible_devices_hole = self.visible_devices_hole
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
 
@@ -178,6 +184,10 @@ class NodeAgent:
     def endpoint_status(self) -> EndpointStatus:
         return self.endpoint.status()
 
+    def visible_devices_hole(self) -> tuple[str, str]:
+        verdict = self.visible_devices.verdict()
+        return verdict.state.value, verdict.detail
+
     def readiness(self) -> tuple[bool, str]:
         status = self.endpoint.status()
         if not self.gpus:
@@ -209,6 +219,7 @@ class NodeAgent:
                 gpu.memory_mib,
                 gpu.numa_node,
             )
+        self.visible_devices.verdict()  # logged now, not at the first status request
         policy = HealthPolicy(self.settings.health.ignored_xids)
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
         if self.settings.config_file is not None:

@@ -7,7 +7,8 @@ the Kubernetes objects next to them. An example::
     {"version": 1, "node": "n1", "time": 1763800000.0,
      "agent": {"pid": 1, "uptimeSeconds": 12.3, "backend": "simulated", "enforcement": "on",
                "actuator": "freezer", "memoryMode": "kill", "periodSeconds": 0.25,
-               "watchdog": "running", "bpf": "ok", "freezeJournal": "ok", "dra": "off"},
+               "watchdog": "running", "bpf": "ok", "freezeJournal": "ok", "dra": "off",
+               "visibleDevicesHole": {"state": "closed", "detail": "..."}},
      "gpus": [{"index": 0, "uuid": "GPU-...", "model": "NVIDIA H100 80GB HBM3", "health": "Healthy",
                "degraded": null,
                "utilizationPercent": 55, "memoryUsedMiB": 1024, "memoryTotalMiB": 81559,
@@ -36,7 +37,10 @@ Fields:
   unavailable, free text); ``freezeJournal`` (``ok``, or why the last write of the freeze
   journal failed, e.g. the disk is full: until one succeeds, no container that the journal
   does not list yet is frozen); ``dra`` (``off``, or the DRA driver's state: kubelet
-  registration, claims prepared, the ResourceSlice's generation and devices).
+  registration, claims prepared, the ResourceSlice's generation and devices);
+  ``visibleDevicesHole`` (``{state, detail}``: whether a pod's own ``NVIDIA_VISIBLE_DEVICES``
+  gets it every GPU from the NVIDIA container runtime, read from the toolkit's config.toml:
+  ``open``, ``closed`` or ``unknown``, and why; deploy/README.md says how to close it).
 - ``gpus[]``: ``index``, ``uuid``, ``model``, ``health`` (``Healthy`` | ``Unhealthy``),
   ``degraded`` (null, or why the agent cannot read the GPU now: a backend call stuck past
   its deadline, naming the NVML function, or reads failing for a while; meanwhile its
@@ -82,6 +86,11 @@ from agent.clock import Clock, SystemClock
 SCHEMA_VERSION = 1
 
 
+class HoleInfo(TypedDict):
+    state: str
+    detail: str
+
+
 class AgentInfo(TypedDict):
     pid: int
     uptimeSeconds: float
@@ -94,6 +103,7 @@ class AgentInfo(TypedDict):
     bpf: str
     freezeJournal: str
     dra: str
+    visibleDevicesHole: HoleInfo
 
 
 class ContainerStatus(TypedDict):
@@ -179,6 +189,7 @@ def agent_info(
     bpf: str,
     freeze_journal: str = "ok",
     dra: str = "off",
+    visible_devices_hole: tuple[str, str] = ("unknown", "not checked"),
 ) -> AgentInfo:
     """``actuator``/``memory_mode`` take the settings' StrEnums as they are."""
     return AgentInfo(
@@ -193,6 +204,7 @@ def agent_info(
         bpf=str(bpf),
         freezeJournal=freeze_journal,
         dra=dra,
+        visibleDevicesHole=HoleInfo(state=str(visible_devices_hole[0]), detail=visible_devices_hole[1]),
     )
 
 

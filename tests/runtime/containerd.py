@@ -30,8 +30,9 @@ import shutil
 import subprocess
 import tarfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from agent.platform.cgroups.layout import CgroupLayout, detect_layout
 
@@ -68,17 +69,26 @@ def _blob(tar: tarfile.TarFile, data: bytes) -> str:
     return f"sha256:{digest}"
 
 
-def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def _member(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
     info = tarfile.TarInfo(name)
-    info.size = len(data)
+    info.size, info.mode = len(data), mode
     tar.addfile(info, io.BytesIO(data))
 
 
-def build_image(path: Path, busybox: Path = Path("/bin/busybox")) -> Path:
-    """An OCI image layout archive with one layer: busybox and its applets' links."""
+def build_image(
+    path: Path,
+    busybox: Path = Path("/bin/busybox"),
+    *,
+    name: str = IMAGE,
+    env: Sequence[str] = ("PATH=/bin",),
+    scripts: Mapping[str, str] | None = None,
+) -> Path:
+    """An OCI image layout archive with one layer: busybox and its applets' links, plus
+    ``scripts`` (path in the image -> text, mode 0755) under their own directories."""
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w") as tar:
-        for directory in ("bin", "dev", "proc", "sys", "tmp", "etc"):
+        extra_dirs = {str(d) for p in scripts or {} for d in PurePosixPath(p).parents}
+        for directory in sorted({"bin", "dev", "proc", "sys", "tmp", "etc", *extra_dirs} - {"."}):
             info = tarfile.TarInfo(directory)
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             tar.addfile(info)
@@ -87,12 +97,14 @@ def build_image(path: Path, busybox: Path = Path("/bin/busybox")) -> Path:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
+        for script, text in (scripts or {}).items():
+            _member(tar, script, text.encode(), mode=0o755)
     with tarfile.open(path, "w") as tar:
         layer_digest = _blob(tar, layer.getvalue())
         config = {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+            "config": {"Env": list(env), "Cmd": ["/bin/sh"]},
             "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         }
         config_bytes = json.dumps(config).encode()
@@ -121,8 +133,8 @@ def build_image(path: Path, busybox: Path = Path("/bin/busybox")) -> Path:
                     "digest": _blob(tar, manifest_bytes),
                     "size": len(manifest_bytes),
                     "annotations": {
-                        "io.containerd.image.name": IMAGE,
-                        "org.opencontainers.image.ref.name": IMAGE,
+                        "io.containerd.image.name": name,
+                        "org.opencontainers.image.ref.name": name,
                     },
                 }
             ],
@@ -196,6 +208,12 @@ class PrivateContainerd:
             time.sleep(0.1)
         self.ctr("images", "import", str(build_image(self.workdir / "image.tar")))
 
+    def import_image(self, name: str, env: Sequence[str], scripts: Mapping[str, str]) -> str:
+        """Another image beside the default one (see ``build_image``); its name."""
+        archive = self.workdir / f"image-{secrets.token_hex(4)}.tar"
+        self.ctr("images", "import", str(build_image(archive, name=name, env=env, scripts=scripts)))
+        return name
+
     def log(self) -> str:
         return (self.workdir / "containerd.log").read_text(errors="replace")
 
@@ -236,6 +254,9 @@ class PrivateContainerd:
         qos: str = "besteffort",
         devices: tuple[Path, ...] = (),
         command: tuple[str, ...] = ("/bin/sleep", "600"),
+        image: str = IMAGE,
+        env: Mapping[str, str] | None = None,
+        mounts: Sequence[tuple[str, str]] = (),
     ) -> Container:
         """A running container, placed where kubelet would place it; returns once its task runs.
 
@@ -244,13 +265,19 @@ class PrivateContainerd:
         what these tests are about, and neither needs a controller on v2.
 
         ``devices``: host device nodes given to the container (node and cgroup rule), the way
-        the NVIDIA container runtime hands a container its GPUs."""
+        the NVIDIA container runtime hands a container its GPUs.
+
+        ``env`` and ``mounts`` ((container path, host path), read-only binds) are what kubelet
+        hands the CRI from Allocate; ctr, like containerd's CRI plugin, puts ``env`` over the
+        image's environment by name."""
         pod_uid = f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
         container = Container(secrets.token_hex(32), 0, pod_uid, qos)
         self.ctr(
             "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
             "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
-            *(f"--device={d}" for d in devices), IMAGE, container.id, *command,
+            *(f"--device={d}" for d in devices), *(f"--env={k}={v}" for k, v in (env or {}).items()),
+            *(f"--mount=type=bind,src={h},dst={c},options=rbind:ro" for c, h in mounts),
+            image, container.id, *command,
         )  # fmt: skip
         running = Container(container.id, self.task_pid(container.id), pod_uid, qos)
         self.containers.append(running)

@@ -21,8 +21,8 @@ GPUS = tuple(
     for i, minor in enumerate([0, 3])
 )
 DRIVER_FILES = DriverFiles(
-    libraries=(DriverMount("/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/libcuda.so.550.54.15"),),
-    binaries=(DriverMount("/usr/local/nvidia/bin/nvidia-smi", "/usr/bin/nvidia-smi"),),
+    libraries=(DriverMount("/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib/libcuda.so.550.54.15"),),
+    binaries=(DriverMount("/usr/bin/nvidia-smi", "/usr/bin/nvidia-smi"),),
 )
 
 

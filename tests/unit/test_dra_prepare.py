@@ -111,10 +111,10 @@ def test_prepare_writes_a_cdi_spec_and_answers_its_ids(node: Node) -> None:
     env = dict(e.split("=", 1) for e in edits["env"])
     assert env["VCUDA_CORE"] == "30"
     assert env["NVIDIA_VISIBLE_DEVICES"] == env["VCUDA_GPU_UUIDS"] == GPUS[1].uuid
-    assert env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert "LD_LIBRARY_PATH" not in env and "PATH" not in env  # the image's own stay
     assert {m["containerPath"]: m["options"] for m in edits["mounts"]} == {
-        "/usr/local/nvidia/lib64/libcuda.so.1": ["ro", "nosuid", "nodev", "bind"],
-        "/usr/local/nvidia/bin/nvidia-smi": ["ro", "nosuid", "nodev", "bind"],
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1": ["ro", "nosuid", "nodev", "bind"],
+        "/usr/bin/nvidia-smi": ["ro", "nosuid", "nodev", "bind"],
     }
     assert not [p for p in node.cdi.iterdir() if p.name.startswith(".")]  # no temp file left
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.platform.driverfiles import DriverFiles, DriverMount, discover_driver_files
+from agent.platform.driverfiles import DriverFiles, DriverMount, container_library_dirs, discover_driver_files
 
 LIB = "usr/lib/x86_64-linux-gnu"
 REAL_LIBCUDA = "libcuda.so.550.54.15"
@@ -30,11 +30,12 @@ def make_driver_root(root: Path) -> None:
 
 
 def lib_mounts(host_root: Path) -> set[DriverMount]:
+    """Each library in both families' linker directories (this host is x86_64 or aarch64)."""
     real = str(host_root / LIB / REAL_LIBCUDA)
     return {
-        DriverMount("/usr/local/nvidia/lib64/libcuda.so", real),
-        DriverMount("/usr/local/nvidia/lib64/libcuda.so.1", real),
-        DriverMount(f"/usr/local/nvidia/lib64/{REAL_LIBCUDA}", real),
+        DriverMount(f"{d}/{name}", real)
+        for d in container_library_dirs()
+        for name in ("libcuda.so", "libcuda.so.1", REAL_LIBCUDA)
     }
 
 
@@ -42,10 +43,8 @@ def test_mounts_name_real_files_under_the_host_root(tmp_path: Path) -> None:
     make_driver_root(tmp_path)
     files = discover_driver_files(HOST_ROOT, visible_root=tmp_path)
     assert set(files.libraries) == lib_mounts(HOST_ROOT)
-    assert len(files.libraries) == 3
-    assert files.binaries == (
-        DriverMount("/usr/local/nvidia/bin/nvidia-smi", "/run/nvidia/driver/usr/bin/nvidia-smi"),
-    )
+    assert len(files.libraries) == 3 * len(container_library_dirs())
+    assert files.binaries == (DriverMount("/usr/bin/nvidia-smi", "/run/nvidia/driver/usr/bin/nvidia-smi"),)
     assert files.mounts == files.libraries + files.binaries
     # Nothing names the agent's view of the root.
     assert not any(str(tmp_path) in m.host_path for m in files.mounts)
@@ -75,8 +74,9 @@ def test_link_escaping_the_root_is_resolved_inside_it(tmp_path: Path) -> None:
     assert discover_driver_files(tmp_path) == DriverFiles()
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc/hostname").write_text("inside")
-    assert discover_driver_files(tmp_path).libraries == (
-        DriverMount("/usr/local/nvidia/lib64/libnvidia-cfg.so.1", str(tmp_path / "etc/hostname")),
+    assert discover_driver_files(tmp_path, machine="x86_64").libraries == (
+        DriverMount("/usr/lib/x86_64-linux-gnu/libnvidia-cfg.so.1", str(tmp_path / "etc/hostname")),
+        DriverMount("/usr/lib64/libnvidia-cfg.so.1", str(tmp_path / "etc/hostname")),
     )
 
 
@@ -100,11 +100,33 @@ def test_first_library_dir_wins_for_a_name(tmp_path: Path) -> None:
         (tmp_path / rel).mkdir(parents=True)
         (tmp_path / rel / "libcuda.so.1").write_bytes(b"\x7fELF")
     (tmp_path / "usr/lib64/libnvidia-ml.so.1").write_bytes(b"\x7fELF")
-    libs = {m.container_path: m.host_path for m in discover_driver_files(tmp_path).libraries}
+    found = discover_driver_files(tmp_path, machine="aarch64")
+    libs = {m.container_path: m.host_path for m in found.libraries}
     assert libs == {
-        "/usr/local/nvidia/lib64/libcuda.so.1": str(tmp_path / LIB / "libcuda.so.1"),
-        "/usr/local/nvidia/lib64/libnvidia-ml.so.1": str(tmp_path / "usr/lib64/libnvidia-ml.so.1"),
+        "/usr/lib/aarch64-linux-gnu/libcuda.so.1": str(tmp_path / LIB / "libcuda.so.1"),
+        "/usr/lib64/libcuda.so.1": str(tmp_path / LIB / "libcuda.so.1"),
+        "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1": str(tmp_path / "usr/lib64/libnvidia-ml.so.1"),
+        "/usr/lib64/libnvidia-ml.so.1": str(tmp_path / "usr/lib64/libnvidia-ml.so.1"),
     }
+
+
+@pytest.mark.parametrize(
+    ("machine", "dirs"),
+    [
+        ("x86_64", ["/usr/lib/x86_64-linux-gnu", "/usr/lib64"]),
+        ("aarch64", ["/usr/lib/aarch64-linux-gnu", "/usr/lib64"]),
+        ("riscv64", ["/usr/lib64"]),  # no triplet known: the RHEL-family directory only
+    ],
+)
+def test_libraries_go_where_the_linker_looks_without_ld_library_path(machine: str, dirs: list[str]) -> None:
+    assert [str(d) for d in container_library_dirs(machine)] == dirs
+
+
+def test_nothing_is_mounted_under_a_directory_only_ld_library_path_or_path_names(tmp_path: Path) -> None:
+    make_driver_root(tmp_path)
+    for mount in discover_driver_files(tmp_path).mounts:
+        assert not mount.container_path.startswith("/usr/local/nvidia/"), mount
+        assert str(Path(mount.container_path).parent) in {"/usr/bin", *map(str, container_library_dirs())}
 
 
 @pytest.mark.parametrize("populate", [False, True], ids=["empty-root", "empty-dirs"])

@@ -27,10 +27,11 @@ GPUS = tuple(
 )
 DRIVER = DriverFiles(
     libraries=(
-        DriverMount("/usr/local/nvidia/lib64/libcuda.so.1", "/host/usr/lib/libcuda.so.550.54.15"),
-        DriverMount("/usr/local/nvidia/lib64/libnvidia-ml.so.1", "/host/usr/lib/libnvidia-ml.so.550.54.15"),
+        DriverMount("/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/host/usr/lib/libcuda.so.550.54.15"),
+        DriverMount("/usr/lib64/libcuda.so.1", "/host/usr/lib/libcuda.so.550.54.15"),
+        DriverMount("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "/host/usr/lib/libnvidia-ml.so.550.54.15"),
     ),
-    binaries=(DriverMount("/usr/local/nvidia/bin/nvidia-smi", "/host/usr/bin/nvidia-smi"),),
+    binaries=(DriverMount("/usr/bin/nvidia-smi", "/host/usr/bin/nvidia-smi"),),
 )
 CONTROL = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
 
@@ -57,9 +58,9 @@ def test_mounts_strategy_share_of_one_gpu() -> None:
     mounts = [(m.container_path, m.host_path, m.read_only) for m in response.mounts]
     assert mounts == [(m.container_path, m.host_path, True) for m in DRIVER.mounts]
     envs = dict(response.envs)
-    assert envs["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
-    assert envs["PATH"].startswith("/usr/local/nvidia/bin:")
-    assert "/usr/bin" in envs["PATH"].split(":")
+    # The image's own search paths stay: the files are where they already look.
+    assert "LD_LIBRARY_PATH" not in envs
+    assert "PATH" not in envs
     assert envs["NVIDIA_VISIBLE_DEVICES"] == GPUS[1].uuid
     assert envs["VCUDA_CORE"] == "30"
     assert envs["VCUDA_GPU_UUIDS"] == GPUS[1].uuid

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-list-strategy",
         choices=[s.value for s in DeviceListStrategy],
         default="mounts",
-        help="mounts: device nodes + host driver files at /usr/local/nvidia (plain runc); "
+        help="mounts: device nodes + host driver files in /usr/bin and the library dirs (plain runc); "
         "envvar: NVIDIA_VISIBLE_DEVICES for the NVIDIA runtime; cdi: CDI names nvidia.com/gpu=<uuid>",
     )
     p.add_argument(
@@ -138,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="/",
         metavar="DIR",
         help="where the host's / is seen, to find the container runtime's socket (default /; /host in a pod)",
+    )
+    p.add_argument(
+        "--nvidia-toolkit-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="the NVIDIA container toolkit's config.toml, checked for the NVIDIA_VISIBLE_DEVICES hole "
+        "(repeatable; default: etc/nvidia-container-runtime/config.toml and the GPU operator's "
+        "usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml under --host-root)",
     )
     p.add_argument("--no-ioctl-tracing", action="store_true", help="no eBPF ioctl tracer: NVML alone")
     p.add_argument(

@@ -75,6 +75,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             device_list_strategy=DeviceListStrategy(args.device_list_strategy),
             driver_root=Path(args.driver_root),
             driver_root_in_agent=driver_in_agent,
+            toolkit_configs=tuple(Path(p) for p in args.nvidia_toolkit_config) or None,
         ),
         health=health,
         simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir)),

@@ -67,6 +67,9 @@ def _header(doc: Mapping[str, Any]) -> list[str]:
     journal = agent.get("freezeJournal")
     if isinstance(journal, str) and journal != "ok":
         lines.append(f"freeze journal: {journal} (containers it does not list yet are not frozen)")
+    hole = _mapping(agent.get("visibleDevicesHole"))
+    if hole.get("state") in ("open", "unknown"):
+        lines.append(f"NVIDIA_VISIBLE_DEVICES hole {_text(hole.get('state'))}: {_text(hole.get('detail'))}")
     dra = agent.get("dra")
     if isinstance(dra, str) and dra != "off":
         lines.append(f"DRA driver gpu.vcuda.io: {dra}")

@@ -1,4 +1,12 @@
-"""Building Allocate's ContainerAllocateResponse for each device-list strategy."""
+"""Building Allocate's ContainerAllocateResponse for each device-list strategy.
+
+Its variables replace an image's variable of the same name (kubelet and the runtime apply
+them over the image's environment; there is no appending), so it sets only variables that
+an image has no reason to set (``VCUDA_*``, ``CUDA_MPS_*``) and NVIDIA_VISIBLE_DEVICES,
+whose replacement is the point: an image's ``all`` must not reach the NVIDIA runtime.
+Never PATH or LD_LIBRARY_PATH: driver files go where images already look
+(agent/platform/driverfiles.py). The list and the reasons: README.md, "What a container gets".
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,12 @@ from pathlib import Path
 
 from agent.control.mpssharing import MpsGrant
 from agent.domain.requests import ResolvedRequest
-from agent.platform.driverfiles import CONTAINER_ROOT, DriverFiles
+from agent.platform.driverfiles import DriverFiles
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.settings import DeviceListStrategy, SharingSettings
 
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 CDI_KIND = "nvidia.com/gpu"
-_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,6 @@ class ResponseBuilder:
                 pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=True)
                 for m in self.driver.mounts
             )
-            envs["LD_LIBRARY_PATH"] = f"{CONTAINER_ROOT}/lib64"
-            envs["PATH"] = f"{CONTAINER_ROOT}/bin:{_DEFAULT_PATH}"
         if mps is not None:
             envs.update(self._mps_envs(mps))
             response.mounts.extend(

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from agent import __version__
 from agent.domain.health import GpuHealth
+from agent.domain.visibledevices import HoleState
 from agent.platform.gpu.inventory import GpuInfo
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus
 
@@ -31,6 +32,8 @@ class AgentView(Protocol):
     def call_timeouts(self) -> dict[tuple[int, str], int]: ...
 
     def endpoint_status(self) -> EndpointStatus: ...
+
+    def visible_devices_hole(self) -> tuple[str, str]: ...
 
 
 class AgentCollector(Collector):
@@ -86,3 +89,13 @@ class AgentCollector(Collector):
         )
         registrations.add_metric([node], float(status.registrations))
         yield registrations
+        hole = GaugeMetricFamily(
+            "vcuda_nvidia_visible_devices_hole",
+            "1 for whether a pod's own NVIDIA_VISIBLE_DEVICES gets every GPU from the NVIDIA runtime "
+            "(open, closed, unknown), from the toolkit's config.toml",
+            labels=["node", "state"],
+        )
+        current = view.visible_devices_hole()[0]
+        for state in (s.value for s in HoleState):
+            hole.add_metric([node, state], 1.0 if state == current else 0.0)
+        yield hole
