@@ -153,6 +153,13 @@ def parse_run_args(args: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(["run", *args])
 
 
+def daemonset_metrics_args(directory: str = "deploy") -> list[str]:
+    """The DaemonSet's ``--metrics-auth MODE`` (what the agent's API rights and a scrape need)."""
+    args: list[str] = container(one(render(directory), *AGENT))["args"]
+    at = args.index("--metrics-auth")
+    return args[at : at + 2]
+
+
 def dra_directory_flags() -> dict[str, str]:
     """Every directory option of `vcuda-agent run`'s DRA group (``--dra-registry-dir``,
     ``--dra-plugin-dir``, ``--cdi-dir``, and any added later): flag -> argparse dest."""
