@@ -29,6 +29,9 @@ from agent.emulators.apiserver import FakeApiServer
 from agent.errors import ConfigError
 from agent.platform.kube.client import api_client
 from agent.platform.kube.reviews import AccessResult, ReviewClient, TokenResult, TokenUser
+from agent.settings import MetricsAuth, MetricsSettings
+from agent.surfaces.cli.main import build_parser
+from agent.surfaces.cli.run import settings_from_args
 from agent.surfaces.metrics.http import MetricsServer, tls_context
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,3 +289,21 @@ def test_the_emulated_reviews_speak_the_wire_format() -> None:
         assert _post(api, ACCESS_REVIEWS, {"spec": {"nonResourceAttributes": {"path": "/metrics"}}})[0] == 422
         assert _post(api, ACCESS_REVIEWS, {"spec": spec})[0] == 422
         assert _post(api, "/apis/authentication.k8s.io/v1/tokenreviews/x", {})[0] == 404
+
+
+def _settings(*argv: str) -> MetricsSettings:
+    return settings_from_args(build_parser().parse_args(["run", *argv])).metrics
+
+
+def test_the_flags_and_what_they_refuse() -> None:
+    default = _settings()
+    assert default.auth is MetricsAuth.NONE and default.tls_cert is None, "the CLI's default: demo, dev"
+    chosen = _settings("--metrics-auth", "kubernetes", "--metrics-tls-cert=/c", "--metrics-tls-key=/k")
+    assert chosen.auth is MetricsAuth.KUBERNETES
+    assert (chosen.tls_cert, chosen.tls_key) == (Path("/c"), Path("/k"))
+    with pytest.raises(ConfigError) as info:
+        _settings("--no-kube", "--metrics-auth=kubernetes", "--metrics-tls-cert=/c")
+    assert len(info.value.problems) == 2
+    assert any("--no-kube" in p for p in info.value.problems), "never open by mistake"
+    assert any("--metrics-tls-key" in p for p in info.value.problems)
+    assert _settings("--no-kube", "--no-metrics", "--metrics-auth=kubernetes").enabled is False
