@@ -69,6 +69,13 @@ class SimulationSettings:
     state_dir: Path = DEFAULT_SIM_STATE_DIR  # the node's GPU server, shared with sim-workload and sim-event
 
 
+class MetricsAuth(enum.StrEnum):
+    """Who may read /metrics (docs/metrics.md, "Authentication"); /healthz and /readyz are open."""
+
+    NONE = "none"  # anyone who reaches the port (the CLI's default: demo, development)
+    KUBERNETES = "kubernetes"  # a bearer token: TokenReview + SubjectAccessReview (the DaemonSet's)
+
+
 @dataclass(frozen=True)
 class MetricsSettings:
     """The HTTP endpoint for /metrics, /healthz and /readyz."""
@@ -77,6 +84,11 @@ class MetricsSettings:
     port: int = DEFAULT_METRICS_PORT  # 0: any free port
     enabled: bool = True
     legacy: bool = False  # also serve gpu-manager's metric names (--legacy-metrics)
+    auth: MetricsAuth = MetricsAuth.NONE
+    auth_cache_s: float = 30.0  # a token's decision is reused this long (keyed by its SHA-256)
+    review_timeout_s: float = 5.0  # one TokenReview / SubjectAccessReview request
+    tls_cert: Path | None = None  # HTTPS with this certificate and key (PEM); None: plain HTTP
+    tls_key: Path | None = None
 
 
 class GuardMode(enum.StrEnum):

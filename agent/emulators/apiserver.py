@@ -6,9 +6,10 @@ pods (namespaced, with the ``status`` and ``binding`` subresources), nodes (with
 ``resource.k8s.io/v1`` at their real paths (``/apis/resource.k8s.io/v1/...``):
 ResourceSlices and DeviceClasses (cluster-scoped), ResourceClaims (namespaced, with
 ``status``; a create drops the status, as the real strategy does) and
-ResourceClaimTemplates: create, get, list, watch, patch (merge, strategic-as-merge, JSON
-patch), replace, delete, bind. Every object gets its group's ``apiVersion`` and ``kind``,
-lists are ``<Kind>List``. One global resourceVersion is bumped on every write; a
+ResourceClaimTemplates, and for ClusterRoles and ClusterRoleBindings
+(``rbac.authorization.k8s.io/v1``): create, get, list, watch, patch (merge,
+strategic-as-merge, JSON patch), replace, delete, bind. Every object gets its group's
+``apiVersion`` and ``kind``, lists are ``<Kind>List``. One global resourceVersion is bumped on every write; a
 ``metadata.resourceVersion`` in a patch or replacement is a precondition (409). Writes to
 an object ignore its status and writes to ``/status`` change only the status, as the real
 server does. Field selectors (any dotted field, ``=``/``==``/``!=``) and equality label
@@ -32,8 +33,12 @@ for every open watch at its next event), ``drop_watches`` (cut every watch conne
 one path with an error until allowed again), ``zero_extended_resources`` (what kubelet does to a
 re-created node), ``events``, ``request_log``, ``write_kubeconfig``.
 
-Not modelled: TLS, authentication, authorization, admission (quota, limit ranges,
-webhooks), validation beyond names (a PUT without resourceVersion is unconditional; the
+TokenReview and SubjectAccessReview (create only, apiserver_auth.py: a token table the test fills
+with ``auth.add_token`` / ``auth.service_account_token``, RBAC from the stored ClusterRoles and
+ClusterRoleBindings). Every request is served whatever credentials it carries.
+
+Not modelled: TLS, authentication and authorization of the requests themselves, admission
+(quota, limit ranges, webhooks), validation beyond names (a PUT without resourceVersion is unconditional; the
 real server wants one), defaulting other than kind/apiVersion, uid, creationTimestamp,
 resourceVersion, namespace, generateName, pod status.phase Pending and status.qosClass;
 the real server's short list of selectable fields per resource (any field works here);
@@ -66,6 +71,7 @@ from typing import Any
 
 import yaml
 
+from agent.emulators.apiserver_auth import AuthReviews
 from agent.emulators.apiserver_http import ApiHandler, RequestRecord
 from agent.emulators.apiserver_objects import node_manifest, pod_status, zero_extended_resources
 from agent.emulators.apiserver_patch import merge_patch
@@ -101,6 +107,7 @@ class FakeApiServer:
         request_log_limit: int = 10_000,
     ) -> None:
         self.store = Store(history_limit)
+        self.auth = AuthReviews(self.store)  # tokens for TokenReview, RBAC for SubjectAccessReview
         self.bookmark_interval_s = bookmark_interval_s
         self.max_watch_s = max_watch_s
         self._address = (host, port)

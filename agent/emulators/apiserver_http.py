@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from agent.emulators.apiserver_auth import AuthReviews
 from agent.emulators.apiserver_patch import json_patch, merge_patch
 from agent.emulators.apiserver_query import ApiStatusError, Selector, status_object
 from agent.emulators.apiserver_store import RESOURCES, Store
@@ -30,6 +31,11 @@ _PATH = re.compile(
 _MERGE_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 _JSON_PATCH = "application/json-patch+json"
 _PEER_CHECK_S = 1.0  # how often an idle watch checks that its client is still there
+# Create-only reviews (apiserver_auth.py): answered, never stored.
+_REVIEWS = {
+    ("authentication.k8s.io", "tokenreviews"): "token",
+    ("authorization.k8s.io", "subjectaccessreviews"): "access",
+}
 _REASONS = {400: "BadRequest", 404: "NotFound", 409: "Conflict", 410: "Expired", 429: "TooManyRequests"}
 
 
@@ -51,6 +57,7 @@ class ApiBackend(Protocol):
     """What the handler needs from the server object."""
 
     store: Store
+    auth: AuthReviews
     bookmark_interval_s: float
     max_watch_s: float
 
@@ -125,6 +132,12 @@ class ApiHandler(BaseHTTPRequestHandler):
             # 1.36: the release whose resource.k8s.io/v1 (consumable capacity on) this models.
             return self._send(200, {"major": "1", "minor": "36", "gitVersion": "v1.36.0-fake"})
         match = _PATH.match(path)
+        review = _REVIEWS.get((match["group"], match["res"])) if match else None
+        if review is not None and match and match["ns"] is None and match["name"] is None:
+            if method != "POST" or match["version"] != "v1":
+                raise ApiStatusError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
+            auth = self.api.auth
+            return self._send(201, auth.token_review(body) if review == "token" else auth.access_review(body))
         if not match or match["res"] not in (*RESOURCES, "bindings"):
             raise ApiStatusError(404, "NotFound", f"the server could not find the requested resource {path}")
         group, version = match["group"] or "", match["version"] or "v1"

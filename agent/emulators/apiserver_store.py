@@ -36,6 +36,7 @@ class Resource:
 
 
 _DRA = "resource.k8s.io"
+_RBAC = "rbac.authorization.k8s.io"
 # Keyed by plural, which is unique across the groups served here.
 RESOURCES = {
     "pods": Resource("pods", "Pod", namespaced=True, has_status=True),
@@ -46,6 +47,9 @@ RESOURCES = {
     "deviceclasses": Resource("deviceclasses", "DeviceClass", False, False, _DRA),
     "resourceclaims": Resource("resourceclaims", "ResourceClaim", True, True, _DRA, status_on_create=False),
     "resourceclaimtemplates": Resource("resourceclaimtemplates", "ResourceClaimTemplate", True, False, _DRA),
+    # Cluster-wide RBAC, what apiserver_auth.py's SubjectAccessReview decides from.
+    "clusterroles": Resource("clusterroles", "ClusterRole", False, False, _RBAC),
+    "clusterrolebindings": Resource("clusterrolebindings", "ClusterRoleBinding", False, False, _RBAC),
 }
 _IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp")
 

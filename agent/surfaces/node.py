@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from agent.control.configwatch import ConfigWatch
 from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
+from agent.control.metricsauth import MetricsAuthorizer
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.control.visibledevices import VisibleDevicesCheck
@@ -17,25 +18,27 @@ from agent.domain.health import GpuHealth, HealthBoard, HealthPolicy
 from agent.domain.nodeconfig import ClusterConfig
 from agent.domain.placement import Placer
 from agent.domain.specs import SpecBounds
-from agent.errors import VcudaError
+from agent.errors import ConfigError, VcudaError
 from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.factory import open_backend
 from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.platform.kube.reviews import ReviewClient
 from agent.platform.toolkitconfig import default_paths
-from agent.settings import Settings
+from agent.settings import MetricsAuth, Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
 from agent.surfaces.dranode import DraIntegration, split_gpus
 from agent.surfaces.enforcementnode import EnforcementIntegration
+from agent.surfaces.extender.transport import is_loopback
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.metrics.collector import AgentCollector
 from agent.surfaces.metrics.dra_collector import DraCollector
 from agent.surfaces.metrics.enforcement_collector import EnforcementCollector
 from agent.surfaces.metrics.host_collector import HostCollector
-from agent.surfaces.metrics.http import MetricsServer
+from agent.surfaces.metrics.http import MetricsServer, tls_context
 from agent.surfaces.metrics.kube_collector import AllocationCollector
 from agent.surfaces.metrics.legacy_collector import LegacyCollector
 from agent.surfaces.metrics.sharing_collector import SharingCollector
@@ -145,6 +148,7 @@ class NodeAgent:
             self.enforcement.visible_devices_hole = self.visible_devices_hole
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
+        self.metrics_auth: MetricsAuthorizer | None = None
 
     def _collectors(self, settings: Settings) -> CollectorRegistry:
         registry = CollectorRegistry(auto_describe=True)
@@ -201,7 +205,7 @@ class NodeAgent:
         """Start everything; on failure the caller still calls ``stop()`` to undo what started."""
         metrics = self.settings.metrics
         if metrics.enabled:
-            self.metrics = MetricsServer(metrics.host, metrics.port, self.registry, self.readiness)
+            self.metrics = self._metrics_server()
         node = self.config.node
         log.info(
             "node %s: %d GPUs from %s backend; deviceMemoryScaling=%s",
@@ -237,6 +241,29 @@ class NodeAgent:
         self.endpoint.start()
         if self.metrics is not None:
             self.metrics.start()
+
+    def _metrics_server(self) -> MetricsServer:
+        metrics = self.settings.metrics
+        tls = None
+        if metrics.tls_cert is not None and metrics.tls_key is not None:
+            tls = tls_context(metrics.tls_cert, metrics.tls_key)
+        authorize = None
+        if metrics.auth is MetricsAuth.KUBERNETES:
+            if self.kube is None:  # settings refuse it with --no-kube; never serve open by mistake
+                raise ConfigError(["--metrics-auth kubernetes needs the Kubernetes API"])
+            reviews = ReviewClient(self.kube.api, timeout_s=metrics.review_timeout_s)
+            self.metrics_auth = MetricsAuthorizer(reviews, cache_s=metrics.auth_cache_s)
+            authorize = self.metrics_auth.decide
+        elif tls is None and not is_loopback(metrics.host):
+            log.warning(
+                "metrics on %s:%d are open to anyone who reaches the port (they name this node's "
+                "pods); --metrics-auth kubernetes asks for a bearer token (docs/metrics.md)",
+                metrics.host,
+                metrics.port,
+            )
+        return MetricsServer(
+            metrics.host, metrics.port, self.registry, self.readiness, authorize=authorize, tls=tls
+        )
 
     def stop(self) -> None:
         log.info("stopping")

@@ -110,6 +110,28 @@ def check_service_monitor(monitor: Doc, service: Doc) -> None:
         assert endpoint["port"] == "metrics" and "metrics" in port_names
         assert endpoint.get("path", "/metrics") == "/metrics"
         assert re.fullmatch(r"[0-9]+(ms|s|m)", endpoint["interval"]), endpoint["interval"]
+        assert set(endpoint) <= _ENDPOINT_FIELDS, set(endpoint) - _ENDPOINT_FIELDS
+        if "authorization" in endpoint:  # monitoring.coreos.com/v1 SafeAuthorization
+            authorization = endpoint["authorization"]
+            assert authorization.get("type", "Bearer") == "Bearer"
+            assert set(authorization["credentials"]) == {"name", "key"}
+
+
+# The Endpoint fields the overlay may use (monitoring.coreos.com/v1; a typo would be dropped
+# by the Operator, silently: no scrape, or a scrape without the token).
+_ENDPOINT_FIELDS = {
+    "port",
+    "path",
+    "scheme",
+    "interval",
+    "scrapeTimeout",
+    "honorLabels",
+    "relabelings",
+    "metricRelabelings",
+    "authorization",
+    "tlsConfig",
+    "bearerTokenFile",
+}
 
 
 def mount_for(path: PurePosixPath, mounts: Iterable[Doc]) -> Doc | None:
@@ -129,6 +151,13 @@ def parse_run_args(args: list[str]) -> argparse.Namespace:
     from agent.surfaces.cli.main import build_parser  # noqa: PLC0415  (imports the whole CLI)
 
     return build_parser().parse_args(["run", *args])
+
+
+def daemonset_metrics_args(directory: str = "deploy") -> list[str]:
+    """The DaemonSet's ``--metrics-auth MODE`` (what the agent's API rights and a scrape need)."""
+    args: list[str] = container(one(render(directory), *AGENT))["args"]
+    at = args.index("--metrics-auth")
+    return args[at : at + 2]
 
 
 def dra_directory_flags() -> dict[str, str]:

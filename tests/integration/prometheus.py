@@ -94,27 +94,41 @@ class Prometheus:
         """What Grafana's ``label_values(match, label)`` asks Prometheus."""
         return list(self.get(f"/api/v1/label/{label}/values", [("match[]", match)]))
 
+    def targets(self) -> dict[str, dict[str, Any]]:
+        """The active targets by job name (health, lastError...)."""
+        data = self.get("/api/v1/targets", {"state": "active"})
+        return {t["labels"]["job"]: t for t in data["activeTargets"]}
+
     def targets_up(self) -> bool:
         data = self.get("/api/v1/targets", {"state": "active"})
         return any(t["health"] == "up" for t in data["activeTargets"])
 
 
-def write_config(path: Path, target: str) -> None:
-    """JSON is YAML: no YAML writer needed. 1 s scrapes so a test sees data within seconds."""
+def write_config(path: Path, target: str, jobs: dict[str, dict[str, Any]] | None = None) -> None:
+    """JSON is YAML: no YAML writer needed. 1 s scrapes so a test sees data within seconds.
+    ``jobs``: job name -> extra scrape settings (authorization, scheme...), each scraping
+    ``target``; by default one plain job JOB."""
+    jobs = {JOB: {}} if jobs is None else jobs
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [
+            {"job_name": name, "static_configs": [{"targets": [target]}], **extra}
+            for name, extra in jobs.items()
+        ],
     }
     path.write_text(json.dumps(config, indent=2))
 
 
 @contextlib.contextmanager
-def running_prometheus(workdir: Path, target: str, *, startup_s: float = 30) -> Iterator[Prometheus]:
-    """Prometheus scraping ``target`` (host:port); stopped and its TSDB removed on exit."""
+def running_prometheus(
+    workdir: Path, target: str, *, startup_s: float = 30, jobs: dict[str, dict[str, Any]] | None = None
+) -> Iterator[Prometheus]:
+    """Prometheus scraping ``target`` (host:port; ``jobs`` as write_config takes them);
+    stopped and its TSDB removed on exit."""
     binary = ensure_installed()
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.json"
-    write_config(config, target)
+    write_config(config, target, jobs)
     port = free_port()
     log = workdir / "prometheus.log"
     cmd = [

@@ -20,6 +20,7 @@ from agent.settings import (
     DEFAULT_DRA_PLUGIN_DIR,
     DEFAULT_PLUGINS_REGISTRY,
     DeviceListStrategy,
+    MetricsAuth,
     Settings,
     SharingMode,
 )
@@ -46,7 +47,7 @@ BASE_KINDS |= {"Deployment", "Service"}
 # The node agent's node-scoped rights (deploy/base/node-scope-policy.yaml).
 BASE_KINDS |= {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 OVERLAY_KINDS = {
-    "monitoring": {"ServiceMonitor"},
+    "monitoring": {"ServiceMonitor", "Secret"},
     "scheduler": {"RoleBinding", "NetworkPolicy"},
     "dra": {"DeviceClass"},
 }
@@ -105,6 +106,7 @@ def test_the_agent_cli_accepts_the_daemonset_args(
     assert settings.plugin.driver_root_in_agent == Path("/host")
     assert settings.bpf.bpf_dir == Path("/opt/vcuda-agent/bpf")
     assert settings.metrics.enabled and settings.metrics.host == "0.0.0.0"
+    assert settings.metrics.auth is MetricsAuth.KUBERNETES, "the node's port serves pod names: a token"
 
 
 def test_the_mps_overlay_runs_the_host_drivers_daemon_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,6 +377,31 @@ def test_the_monitoring_overlay_scrapes_every_agent() -> None:
     monitor = one(docs, "ServiceMonitor", "vcuda-agent")
     check_service_monitor(monitor, service)
     assert [e["interval"] for e in monitor["spec"]["endpoints"]] == ["15s"]
+
+
+def test_the_monitoring_overlay_scrapes_with_a_token_that_may_get_metrics_and_nothing_else() -> None:
+    """The agents ask for a bearer token (--metrics-auth kubernetes): the ServiceMonitor hands
+    Prometheus a service-account token Secret in its own namespace, whose account is bound to
+    the ClusterRole that allows get /metrics, and to nothing else."""
+    docs = render("deploy/overlays/monitoring")
+    monitor = one(docs, "ServiceMonitor", "vcuda-agent")
+    [endpoint] = monitor["spec"]["endpoints"]
+    credentials = endpoint["authorization"]["credentials"]
+    secret = one(docs, "Secret", credentials["name"])
+    assert secret["metadata"]["namespace"] == monitor["metadata"]["namespace"], "the Operator looks there"
+    assert secret["type"] == "kubernetes.io/service-account-token" and credentials["key"] == "token"
+    account = secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+    one(docs, "ServiceAccount", account)
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": secret["metadata"]["namespace"]}
+    bound = [
+        d["roleRef"]["name"]
+        for d in docs
+        if d["kind"] in ("ClusterRoleBinding", "RoleBinding") and subject in d.get("subjects", [])
+    ]
+    assert bound == ["vcuda-metrics-reader"]
+    reader = one(docs, "ClusterRole", "vcuda-metrics-reader")
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    assert endpoint.get("scheme", "http") == "http", "the agents serve TLS only when given a certificate"
 
 
 @pytest.mark.parametrize(

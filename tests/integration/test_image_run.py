@@ -4,7 +4,8 @@
 Docker Hub's debian:bookworm-slim, cached) builds ghcr.io/vcuda-agent/vcuda-agent:<version>;
 then podman runs it with what deploy/base/daemonset.yaml asks of the node (privileged, host
 pid and network, every volumeMount at its hostPath, env, args; tests/integration/image_run.py
-derives the options from the YAML) plus `--simulate 2xH100-80GB --no-kube`. Stand-ins: the
+derives the options from the YAML) plus `--simulate 2xH100-80GB --no-kube --metrics-auth none`
+(no API server to check a scrape's token with). Stand-ins: the
 kubelet emulator's directory for the device-plugins hostPath, temp dirs for pod-resources
 and the state hostPath, the ConfigMap projected from deploy/base/config.json.
 
@@ -43,7 +44,9 @@ from tests.integration.image_run import (
 
 pytestmark = pytest.mark.privileged
 
-SIMULATE = ("--simulate", "2xH100-80GB", "--no-kube")
+# Without an API server no scrape's token can be checked: the DaemonSet's --metrics-auth
+# kubernetes is refused with --no-kube, so the last word here is none.
+SIMULATE = ("--simulate", "2xH100-80GB", "--no-kube", "--metrics-auth", "none")
 NODE = "image-node"
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from agent.platform.kubelet.channel import unix_target
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.conftest import AgentProcess
+from tests.integration.deploy_render import daemonset_metrics_args
 from tests.integration.kubecluster import NODE, Cluster, pod_manifest, wait_until
 from tests.unit.drafixtures import node_slice
 
@@ -81,10 +84,21 @@ def used_rules(cluster: Cluster) -> set[Rule]:
     return {needed_rule(r.method, r.path, r.query) for r in cluster.api.request_log}
 
 
+def scrape_with(port: int, token: str | None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
 def test_the_cluster_role_is_exactly_what_the_agent_uses(
     start_agent: Callable[..., AgentProcess], cluster: Cluster
 ) -> None:
-    agent = start_agent("2xH100-80GB", kube=cluster.kube)
+    agent = start_agent("2xH100-80GB", *daemonset_metrics_args(), kube=cluster.kube)
     cluster.kubelet.wait_for_plugin(timeout_s=30)
     # Exercise every path: Allocate + annotations, a bad annotation (event), a refusal twice
     # (the second identical event is aggregated with a patch), capacity zeroed by kubelet.
@@ -108,9 +122,22 @@ def test_the_cluster_role_is_exactly_what_the_agent_uses(
         lambda: [e.get("count") for e in cluster.api.events() if e["reason"] == "GPUOversubscribed"] == [2]
     )
     wait_until(lambda: any(e["reason"] == "InvalidGPUAnnotation" for e in cluster.api.events()))
+    # Prometheus scrapes as the monitoring overlay's scraper account, bound as deploy/ binds it:
+    # the agent reviews the token and the account's access (its tokenreviews and
+    # subjectaccessreviews rules); a pod's own token is refused.
+    for doc in render("deploy/overlays/monitoring"):
+        if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            cluster.api.create_object(doc["kind"].lower() + "s", doc)
+    port = agent.metrics_port()
+    assert scrape_with(port, None)[0] == 401
+    assert scrape_with(port, cluster.api.auth.service_account_token("default", "default"))[0] == 403
+    scraper = cluster.api.auth.service_account_token("kube-system", "vcuda-metrics-scraper")
+    code, text = scrape_with(port, scraper)
+    assert code == 200 and 'pod="ok"' in text
     used = used_rules(cluster)
     granted = rendered_rules()
-    assert {g for g, _, _ in granted} == {""}, "the base's agent only talks to the core API group"
+    reviews = {"authentication.k8s.io", "authorization.k8s.io"}  # --metrics-auth kubernetes
+    assert {g for g, _, _ in granted} == {"", *reviews}, "the base's agent: the core group and reviews"
     assert used <= granted, f"the agent needs rules it does not have: {sorted(used - granted)}"
     assert granted <= used, f"rules the agent never uses: {sorted(granted - used)}"
     assert agent.proc.poll() is None

@@ -17,6 +17,7 @@ from agent.settings import (
     Feedback,
     GuardMode,
     MemoryQuotaMode,
+    MetricsAuth,
     SharingMode,
     SharingSettings,
 )
@@ -66,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also serve gpu-manager's metric names (container_gpu_utilization...) for migrating dashboards",
     )
+    p.add_argument(
+        "--metrics-auth",
+        choices=[a.value for a in MetricsAuth],
+        default=MetricsAuth.NONE.value,
+        help="who may read /metrics: none (anyone who reaches the port; default) or kubernetes (a "
+        "bearer token the API server authenticates, for a user RBAC allows to get the "
+        "non-resource URL /metrics; the DaemonSet's choice). /healthz and /readyz stay open",
+    )
+    p.add_argument("--metrics-tls-cert", metavar="PATH", help="serve the metrics port over HTTPS (PEM)")
+    p.add_argument("--metrics-tls-key", metavar="PATH", help="the certificate's private key (PEM)")
     p.add_argument(
         "--no-kube",
         action="store_true",

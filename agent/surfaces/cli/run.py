@@ -30,6 +30,7 @@ from agent.settings import (
     HealthSettings,
     KubeSettings,
     MemoryQuotaMode,
+    MetricsAuth,
     MetricsSettings,
     Settings,
     SharingMode,
@@ -63,6 +64,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     enforcement = enforcement_from_args(args, problems)
     sharing = sharing_from_args(args, problems)
     dra = dra_from_args(args, problems)
+    metrics = metrics_from_args(args, host, port, problems)
     if problems:
         raise ConfigError(problems)
     driver_in_agent = Path(args.driver_root_in_agent) if args.driver_root_in_agent else None
@@ -79,9 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ),
         health=health,
         simulation=SimulationSettings(spec=args.simulate, state_dir=Path(args.sim_state_dir)),
-        metrics=MetricsSettings(
-            host=host, port=port, enabled=not args.no_metrics, legacy=args.legacy_metrics
-        ),
+        metrics=metrics,
         cgroups=CgroupSettings(
             root=Path(args.cgroup_root),
             kubelet_config=Path(args.kubelet_config),
@@ -100,6 +100,24 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         enforcement=enforcement,
         sharing=sharing,
         dra=dra,
+    )
+
+
+def metrics_from_args(args: argparse.Namespace, host: str, port: int, problems: list[str]) -> MetricsSettings:
+    auth = MetricsAuth(args.metrics_auth)
+    cert, key = args.metrics_tls_cert, args.metrics_tls_key
+    if bool(cert) != bool(key):
+        problems.append("--metrics-tls-cert and --metrics-tls-key go together")
+    if auth is MetricsAuth.KUBERNETES and args.no_kube and not args.no_metrics:
+        problems.append("--metrics-auth kubernetes asks the Kubernetes API: it cannot go with --no-kube")
+    return MetricsSettings(
+        host=host,
+        port=port,
+        enabled=not args.no_metrics,
+        legacy=args.legacy_metrics,
+        auth=auth,
+        tls_cert=Path(cert) if cert else None,
+        tls_key=Path(key) if key else None,
     )
 
 
