@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent.clock import SystemClock
-from agent.control.deviceguard import DeviceGuard, GuardTarget, default_rules
+from agent.control.deviceguard import DeviceGuard, default_rules
+from agent.control.guardtargets import Exemption, GuardTargets
 from agent.control.supervisor import Supervisor
 from agent.domain.nodeconfig import NodeConfig
 from agent.errors import VcudaError
@@ -50,15 +50,17 @@ class HostIntegration:
         self.tracer: IoctlTracer | None = None
         self.bpf: BpfSupport | None = None
         self.guard: DeviceGuard | None = None
+        self._guard_targets: GuardTargets | None = None
         self._exited: list[int] = []
         self._exited_lock = threading.Lock()
 
-    def enable_guard(self, targets: Callable[[], Iterable[GuardTarget]]) -> None:
+    def enable_guard(self, targets: GuardTargets) -> None:
         """The device guard needs to know the pods (Kubernetes mode)."""
         mode = self.cgroup_settings.device_guard
         if mode is GuardMode.OFF:
             log.info("device guard: off")
             return
+        self._guard_targets = targets
         self.guard = DeviceGuard(
             targets,
             self.resolver,
@@ -115,6 +117,10 @@ class HostIntegration:
                 exited, self._exited = self._exited, []
             if exited and self.tracer is not None:
                 self.tracer.forget(*exited)
+
+    def guard_exemptions(self) -> list[Exemption]:
+        """The pods the device guard leaves alone, and why (empty when the guard is off)."""
+        return [] if self._guard_targets is None else self._guard_targets.exemptions()
 
     def bpf_status(self) -> str:
         """``off`` when tracing is switched off, ``starting`` while it compiles, else the probe's
