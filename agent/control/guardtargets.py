@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from agent.control.deviceguard import GuardTarget, TargetsNotReadyError
 from agent.control.kubeports import EventSink
 from agent.domain.ledger import Ledger
+from agent.platform.cgroups.devicepolicy import DevicePolicy
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.kube.podcache import PodCache
 from agent.platform.kube.pods import PodInfo, int_quantity
@@ -129,9 +130,19 @@ class GuardTargets:
             raise TargetsNotReadyError("the node has not been seen yet; device rules stay as they are")
         return offered_gpu_resources(resources)
 
-    def exempt_reason(self, pod: PodInfo) -> str | None:
-        """Why the guard leaves ``pod`` alone, or None when it applies (for the pod gate)."""
-        return self._exempt(pod, self._offered())
+    def pod_policy(self, uid: str) -> DevicePolicy | None:
+        """What a pod's cgroup may open, for the device gate: the GPUs the ledger holds for any
+        of its containers, no NVIDIA device without any; None when the pod is exempt. A pod the
+        cache does not know (yet) is held to what the ledger says: Allocate knew its UID."""
+        if uid == self._own:
+            return None
+        pod = self._pods.get(uid)
+        if pod is None and not self._pods.stats().synced:
+            raise TargetsNotReadyError("the pod cache has not synced yet")
+        if pod is not None and self._exempt(pod, self._offered()) is not None:
+            return None
+        held = self._ledger.of_pod(uid)
+        return DevicePolicy(frozenset(self._minors[g] for a in held for g in a.gpus) if held else None)
 
     def _exempt(self, pod: PodInfo, offered: frozenset[str]) -> str | None:
         if pod.uid == self._own:

@@ -146,6 +146,10 @@ class Container:
         return f"/kubepods{qos}/pod{self.pod_uid}/{self.id}"
 
 
+def new_pod_uid() -> str:
+    return f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
+
+
 def _namespace_script(cgroup: str) -> str:
     """Shell run in the private mount namespace before containerd: the node's cgroup layout."""
     if cgroup == "v2":
@@ -236,6 +240,8 @@ class PrivateContainerd:
         qos: str = "besteffort",
         devices: tuple[Path, ...] = (),
         command: tuple[str, ...] = ("/bin/sleep", "600"),
+        pod_uid: str | None = None,
+        mounts: dict[Path, str] | None = None,
     ) -> Container:
         """A running container, placed where kubelet would place it; returns once its task runs.
 
@@ -244,17 +250,35 @@ class PrivateContainerd:
         what these tests are about, and neither needs a controller on v2.
 
         ``devices``: host device nodes given to the container (node and cgroup rule), the way
-        the NVIDIA container runtime hands a container its GPUs."""
-        pod_uid = f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
+        the NVIDIA container runtime hands a container its GPUs. ``pod_uid``: a pod whose
+        cgroup was made beforehand (kubelet makes it before the containers; default: a new
+        one). ``mounts``: host directory → path in the container (read-write binds)."""
+        pod_uid = pod_uid or new_pod_uid()
         container = Container(secrets.token_hex(32), 0, pod_uid, qos)
-        self.ctr(
-            "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
-            "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
-            *(f"--device={d}" for d in devices), IMAGE, container.id, *command,
-        )  # fmt: skip
+        try:
+            self._run(container, devices, command, mounts or {})
+        except RuntimeError:
+            self.ctr("task", "delete", container.id, check=False)  # the runtime refused it:
+            self.ctr("containers", "delete", container.id, check=False)  # keep no record
+            raise
         running = Container(container.id, self.task_pid(container.id), pod_uid, qos)
         self.containers.append(running)
         return running
+
+    def _run(
+        self,
+        container: Container,
+        devices: tuple[Path, ...],
+        command: tuple[str, ...],
+        mounts: dict[Path, str],
+    ) -> None:
+        self.ctr(
+            "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
+            "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
+            *(f"--device={d}" for d in devices),
+            *(f"--mount=type=bind,src={src},dst={dst},options=rbind:rw" for src, dst in mounts.items()),
+            IMAGE, container.id, *command,
+        )  # fmt: skip
 
     def _task_row(self, container_id: str) -> list[str] | None:
         """``ctr task ls``'s row of the container: id, pid, status; None without a task."""
