@@ -11,7 +11,8 @@ import pytest
 
 from agent.control.deviceguard import TargetsNotReadyError
 from agent.control.guardtargets import EXEMPT_ANNOTATION, EXEMPTION_REFUSED, GuardTargets
-from agent.domain.ledger import Ledger
+from agent.domain.ledger import Assignment, Ledger
+from agent.platform.cgroups.devicepolicy import DevicePolicy
 from agent.platform.kube.pods import PodInfo
 from tests.unit.kubefixtures import container, make_gpus, make_pod
 
@@ -28,7 +29,10 @@ class Events:
 
 
 def cache(*pods: PodInfo) -> Any:
-    return SimpleNamespace(pods=lambda: list(pods), stats=lambda: SimpleNamespace(synced=True))
+    by_uid = {p.uid: p for p in pods}
+    return SimpleNamespace(
+        pods=lambda: list(pods), get=by_uid.get, stats=lambda: SimpleNamespace(synced=True)
+    )
 
 
 def started(name: str, namespace: str, exempt: bool) -> PodInfo:
@@ -143,3 +147,34 @@ def test_exemptions_say_why() -> None:
     reasons = {e.pod: e.reason for e in targets.exemptions()}
     assert reasons["vcuda-agent-x"].startswith("the agent's own pod")
     assert "--guard-exempt-namespaces" in reasons["dcgm"]
+
+
+def test_the_pod_policy_for_the_gate() -> None:
+    gpus = make_gpus()
+    ledger = Ledger(gpus)
+    shared = started("shared", "team-a", exempt=False)
+    plain = started("plain", "team-a", exempt=False)
+    agent = started("vcuda-agent-x", "kube-system", exempt=False)
+    real = gpu_plugin_pod("real", "nvidia.com/gpu", "1")
+    zero = gpu_plugin_pod("zero", "nvidia.com/gpu", "0")
+    ledger.assign(Assignment(shared.uid, "team-a", "shared", "main", False, (1,), 30, 1024))
+    ledger.assign(Assignment("not-listed-yet", "team-a", "new", "main", False, (0,), 30, 1024))
+    targets = GuardTargets(
+        cache(shared, plain, agent, real, zero),
+        ledger,
+        gpus,
+        agent.uid,
+        node_resources=lambda: NODE_RESOURCES,
+    )
+    assert targets.pod_policy(shared.uid) == DevicePolicy(frozenset({1}))
+    assert targets.pod_policy(plain.uid) == DevicePolicy(None)
+    assert targets.pod_policy(zero.uid) == DevicePolicy(None)
+    assert targets.pod_policy(agent.uid) is None and targets.pod_policy(real.uid) is None
+    # Allocate named the pod before the cache saw it: its GPUs, nothing else.
+    assert targets.pod_policy("not-listed-yet") == DevicePolicy(frozenset({0}))
+    assert targets.pod_policy("unknown") == DevicePolicy(None)
+    unsynced = cache(shared)
+    unsynced.stats = lambda: SimpleNamespace(synced=False)
+    unsynced.get = lambda uid: None
+    with pytest.raises(TargetsNotReadyError):
+        GuardTargets(unsynced, ledger, gpus).pod_policy("unknown")
