@@ -36,7 +36,7 @@ from agent.errors import VcudaError
 from agent.platform.cgroups.devicepolicy import DevicePolicy, DeviceRules, Outcome, read_nvidia_majors
 from agent.platform.cgroups.devices_v1 import V1DeviceRules
 from agent.platform.cgroups.paths import CgroupResolver, pod_uid_of, qos_dir_names
-from agent.platform.inotify import TreeWatch
+from agent.platform.inotify import IN_Q_OVERFLOW, TreeWatch
 from agent.settings import GuardMode
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class PodGate:
                     for item in events:
                         if item.event.created:
                             self._created(watch, item.directory / item.event.name)
+                    if any(e.event.mask & IN_Q_OVERFLOW for e in events):
+                        break  # events were lost: a full pass now
         finally:
             watch.close()
 
