@@ -85,7 +85,7 @@ class PodGate:
         watch = TreeWatch()
         try:
             while not stop.is_set():
-                if not watch.watched and not self._watch_tree(watch):
+                if not watch.watching(self._root) and not self._watch_tree(watch):
                     stop.wait(self.interval_s)  # no kubepods yet (kubelet not started)
                     continue
                 self.reconcile_once(watch)
@@ -118,23 +118,27 @@ class PodGate:
             watch.add(path)
             for child in _subdirs(path):  # pods made before the watch was in place
                 self._created(watch, child)
-        elif path.parent in self._qos or path.parent == self._root:
-            if pod_uid_of(path.name) is not None:
-                self.gate(path)  # first: the rules, then the watch for its containers
-                watch.add(path)
-        elif path.parent in self._gated:
+        elif self._is_pod_dir(path):
+            self.gate(path)  # first: the rules, then the watch for its containers
+            watch.add(path)
+        elif self._is_pod_dir(path.parent):
             self.gate(path.parent)  # a container is being created: the pod's set may have grown
+
+    def _is_pod_dir(self, path: Path) -> bool:
+        return (path.parent in self._qos or path.parent == self._root) and pod_uid_of(path.name) is not None
 
     def reconcile_once(self, watch: TreeWatch | None = None) -> None:
         """Every pod cgroup gets its current policy; vanished ones are forgotten."""
         try:
             self._rules.set_majors(read_nvidia_majors(self._proc_root))
         except VcudaError as err:
-            log.warning("device gate: %s", err)
+            if self._problems.get(self._proc_root) != str(err):
+                self._problems[self._proc_root] = str(err)
+                log.warning("device gate: %s", err)
         pods = [p for parent in (self._root, *self._qos) for p in _subdirs(parent) if pod_uid_of(p.name)]
         for pod_dir in pods:
             self.gate(pod_dir)
-            if watch is not None and pod_dir not in watch.watched:
+            if watch is not None and not watch.watching(pod_dir):
                 watch.add(pod_dir)
         with self._lock:
             for gone in [p for p in self._gated if not p.is_dir()]:

@@ -132,6 +132,7 @@ class TreeWatch:
             raise PlatformError(f"inotify_init1 failed: {os.strerror(ctypes.get_errno())}")
         self._fd = fd
         self._dirs: dict[int, Path] = {}  # watch descriptor → directory
+        self._paths: set[Path] = set()
 
     def add(self, directory: Path) -> bool:
         """Watch ``directory``; False when it does not exist (any more)."""
@@ -142,11 +143,11 @@ class TreeWatch:
                 return False
             raise PlatformError(f"cannot watch {directory}: {os.strerror(err)}")
         self._dirs[wd] = directory
+        self._paths.add(directory)
         return True
 
-    @property
-    def watched(self) -> frozenset[Path]:
-        return frozenset(self._dirs.values())
+    def watching(self, directory: Path) -> bool:
+        return directory in self._paths
 
     def fileno(self) -> int:
         return self._fd
@@ -169,14 +170,21 @@ class TreeWatch:
             wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
             raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
             offset += _HEADER.size + length
-            directory = self._dirs.get(wd) if mask & IN_IGNORED == 0 else self._dirs.pop(wd, None)
+            directory = self._dirs.get(wd) if mask & IN_IGNORED == 0 else self._forget(wd)
             if directory is not None or mask & IN_Q_OVERFLOW:
                 event = InotifyEvent(mask, os.fsdecode(raw.rstrip(b"\0")))
                 events.append(TreeEvent(directory or Path(), event))
         return events
+
+    def _forget(self, wd: int) -> Path | None:
+        directory = self._dirs.pop(wd, None)
+        if directory is not None and directory not in self._dirs.values():
+            self._paths.discard(directory)
+        return directory
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
             self._dirs.clear()
+            self._paths.clear()
