@@ -104,7 +104,7 @@ def synthetic_state(n_gpus: int, per_gpu: int) -> dict[str, Collector]:
         specs=lambda: specs,
     )
     stats = GuardStats(GuardMode.ENFORCE, "cgroup v2 bpf", len(specs), 0, 0, 0, 10, {})
-    host = SimpleNamespace(bpf_status=lambda: "ok", guard=SimpleNamespace(stats=lambda: stats))
+    host = SimpleNamespace(bpf_status=lambda: "ok", guard=SimpleNamespace(stats=lambda: stats), gate=None)
     loop = EnforcerStats(
         periods=10_000, bucket_counts=[10_000] * len(DURATION_BUCKETS_S), duration_sum_s=12.0
     )

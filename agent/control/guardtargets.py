@@ -5,22 +5,27 @@ ledger may use its own GPUs' minors; every other container gets no NVIDIA device
 (this closes NVIDIA_VISIBLE_DEVICES=all on pods that never asked for a GPU). Not
 covered: the agent's own pod (NVML needs /dev/nvidia*), pods annotated
 ``nvidia.com/vcuda-device-guard: exempt`` in a namespace the admin listed
-(``--guard-exempt-namespaces``, e.g. a DCGM exporter's), and pods that request GPUs from
-another device plugin (``nvidia.com/gpu``, MIG resources). The annotation anywhere else is
-refused, with an Event: a tenant cannot exempt itself (docs/security.md).
+(``--guard-exempt-namespaces``, e.g. a DCGM exporter's), and pods that request a quantity
+above zero of a GPU resource another device plugin offers on this node (``nvidia.com/gpu``,
+MIG resources, read from the Node's allocatable and capacity). The annotation anywhere else,
+a zero quantity (it passes the scheduler's fit check on any node) and a resource this node
+does not offer are refused, with an Event: a tenant cannot exempt itself (docs/security.md).
+Why each pod is exempt is kept for the status document (``exemptions``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from agent.control.deviceguard import GuardTarget, TargetsNotReadyError
 from agent.control.kubeports import EventSink
 from agent.domain.ledger import Ledger
+from agent.platform.cgroups.devicepolicy import DevicePolicy
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.kube.podcache import PodCache
-from agent.platform.kube.pods import PodInfo
+from agent.platform.kube.pods import PodInfo, int_quantity
 
 EXEMPT_ANNOTATION = "nvidia.com/vcuda-device-guard"
 EXEMPT_VALUE = "exempt"
@@ -28,6 +33,33 @@ EXEMPTION_REFUSED = "DeviceGuardExemptionRefused"
 _OTHER_GPU_RESOURCES = ("nvidia.com/gpu", "nvidia.com/mig-")
 
 log = logging.getLogger(__name__)
+
+# The Node's status.capacity merged with status.allocatable (resource → quantity text);
+# None while the node has not been seen.
+NodeResources = Callable[[], Mapping[str, str] | None]
+
+
+@dataclass(frozen=True)
+class Exemption:
+    """A pod the guard leaves alone, and why (for ``vcuda-agent status``)."""
+
+    namespace: str
+    pod: str
+    reason: str
+
+
+def offered_gpu_resources(resources: Mapping[str, str]) -> frozenset[str]:
+    """The other plugins' GPU resources this node offers: a quantity above zero."""
+    offered = set()
+    for name, text in resources.items():
+        if not name.startswith(_OTHER_GPU_RESOURCES):
+            continue
+        try:
+            if int_quantity(str(text)) > 0:
+                offered.add(name)
+        except ValueError:
+            continue  # not a whole number: nothing a pod can be granted
+    return frozenset(offered)
 
 
 class GuardTargets:
@@ -40,23 +72,34 @@ class GuardTargets:
         *,
         exempt_namespaces: frozenset[str] = frozenset(),
         events: EventSink | None = None,
+        node_resources: NodeResources | None = None,
     ) -> None:
+        """``node_resources``: this Node's resources; without it no pod is exempt for another
+        plugin's GPUs (the guard fails closed)."""
         self._pods = pods
         self._ledger = ledger
         self._minors: Mapping[int, int] = {g.index: g.minor for g in gpus}
         self._own = own_pod_uid
         self._exempt_namespaces = exempt_namespaces
         self._events = events
-        self._refused: set[str] = set()  # pod uids told once that their annotation does not count
+        self._node_resources = node_resources
+        self._refused: set[tuple[str, str]] = set()  # (pod uid, what) told once that it does not count
+        self._exemptions: dict[str, Exemption] = {}  # pod uid → why, as of the last call
 
     def __call__(self) -> list[GuardTarget]:
         """The targets now; raises TargetsNotReadyError while the pod cache has not synced, so
         the guard keeps its rules instead of taking them all back for an empty list."""
         if not self._pods.stats().synced:
             raise TargetsNotReadyError("the pod cache has not synced yet; device rules stay as they are")
+        offered = self._offered()
         targets: list[GuardTarget] = []
+        exemptions: dict[str, Exemption] = {}
         for pod in self._pods.pods():
-            if pod.finished or self._exempt(pod):
+            if pod.finished:
+                continue
+            reason = self._exempt(pod, offered)
+            if reason is not None:
+                exemptions[pod.uid] = Exemption(pod.namespace, pod.name, reason)
                 continue
             for container in pod.containers:
                 if not container.container_id:
@@ -72,26 +115,73 @@ class GuardTargets:
                         label=f"{pod.key}/{container.name}",
                     )
                 )
+        self._exemptions = exemptions
         return targets
 
-    def _exempt(self, pod: PodInfo) -> bool:
-        if pod.uid == self._own:
-            return True
-        if pod.annotations.get(EXEMPT_ANNOTATION) == EXEMPT_VALUE:
-            if pod.namespace in self._exempt_namespaces:
-                return True
-            self._refuse(pod)
-        return any(r.startswith(_OTHER_GPU_RESOURCES) for c in pod.containers for r in c.resources)
+    def exemptions(self) -> list[Exemption]:
+        """The pods left alone as of the last pass, and why."""
+        return sorted(self._exemptions.values(), key=lambda e: (e.namespace, e.pod))
 
-    def _refuse(self, pod: PodInfo) -> None:
-        if pod.uid in self._refused:
+    def _offered(self) -> frozenset[str]:
+        if self._node_resources is None:
+            return frozenset()
+        resources = self._node_resources()
+        if resources is None:
+            raise TargetsNotReadyError("the node has not been seen yet; device rules stay as they are")
+        return offered_gpu_resources(resources)
+
+    def pod_policy(self, uid: str) -> DevicePolicy | None:
+        """What a pod's cgroup may open, for the device gate: the GPUs the ledger holds for any
+        of its containers, no NVIDIA device without any; None when the pod is exempt. A pod the
+        cache does not know (yet) is held to what the ledger says: Allocate knew its UID."""
+        if uid == self._own:
+            return None
+        pod = self._pods.get(uid)
+        if pod is None and not self._pods.stats().synced:
+            raise TargetsNotReadyError("the pod cache has not synced yet")
+        if pod is not None and self._exempt(pod, self._offered()) is not None:
+            return None
+        held = self._ledger.of_pod(uid)
+        return DevicePolicy(frozenset(self._minors[g] for a in held for g in a.gpus) if held else None)
+
+    def _exempt(self, pod: PodInfo, offered: frozenset[str]) -> str | None:
+        if pod.uid == self._own:
+            return "the agent's own pod (NVML needs every GPU)"
+        if pod.annotations.get(EXEMPT_ANNOTATION) == EXEMPT_VALUE:
+            annotation = f"{EXEMPT_ANNOTATION}: {EXEMPT_VALUE}"
+            if pod.namespace in self._exempt_namespaces:
+                return f"{annotation} in namespace {pod.namespace} (--guard-exempt-namespaces)"
+            self._refuse(
+                pod,
+                "annotation",
+                f"{annotation} is not honoured in namespace {pod.namespace}: exemptions are for the "
+                "namespaces the cluster admin lists (--guard-exempt-namespaces); the device guard applies",
+            )
+        named: list[str] = []
+        for c in pod.containers:
+            for resource, text in c.resources.items():
+                if not resource.startswith(_OTHER_GPU_RESOURCES):
+                    continue
+                try:
+                    amount = int_quantity(text)
+                except ValueError:
+                    amount = 0
+                if amount > 0 and resource in offered:
+                    return f"{resource}: {text} (container {c.name}) from another device plugin"
+                named.append(f"{resource}: {text!r}")
+        if named:
+            self._refuse(
+                pod,
+                "resource",
+                f"{', '.join(sorted(set(named)))} does not exempt the pod from the device guard: only a "
+                "quantity above zero of a GPU resource this node offers does; the device guard applies",
+            )
+        return None
+
+    def _refuse(self, pod: PodInfo, what: str, message: str) -> None:
+        if (pod.uid, what) in self._refused:
             return
-        self._refused.add(pod.uid)
-        message = (
-            f"{EXEMPT_ANNOTATION}: {EXEMPT_VALUE} is not honoured in namespace {pod.namespace}: exemptions "
-            "are for the namespaces the cluster admin lists (--guard-exempt-namespaces); the device "
-            "guard applies"
-        )
+        self._refused.add((pod.uid, what))
         log.warning("pod %s: %s", pod.key, message)
         if self._events is not None:
             self._events.pod(pod, EXEMPTION_REFUSED, message)

@@ -1,4 +1,5 @@
-"""inotify(7) through libc, for watching kubelet's device-plugin directory.
+"""inotify(7) through libc, for watching kubelet's device-plugin directory (and, with
+``TreeWatch``, the kubepods cgroup tree for the device gate).
 
 kubelet signals a restart by deleting the sockets in the directory and creating
 a new kubelet.sock; an inode number alone cannot tell (it is often reused), so
@@ -108,3 +109,82 @@ class DirectoryWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class TreeEvent:
+    """An entry created in (or the loss of) one of a ``TreeWatch``'s directories."""
+
+    directory: Path
+    event: InotifyEvent
+
+
+class TreeWatch:
+    """Create events for the entries of several directories on one inotify descriptor
+    (the device gate's view of kubepods: new pod and container cgroups)."""
+
+    MASK = IN_CREATE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF
+
+    def __init__(self) -> None:
+        self._libc = _libc()
+        fd = int(self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC))
+        if fd < 0:
+            raise PlatformError(f"inotify_init1 failed: {os.strerror(ctypes.get_errno())}")
+        self._fd = fd
+        self._dirs: dict[int, Path] = {}  # watch descriptor → directory
+        self._paths: set[Path] = set()
+
+    def add(self, directory: Path) -> bool:
+        """Watch ``directory``; False when it does not exist (any more)."""
+        wd = int(self._libc.inotify_add_watch(self._fd, os.fsencode(directory), self.MASK))
+        if wd < 0:
+            err = ctypes.get_errno()
+            if err in (2, 20):  # ENOENT, ENOTDIR: gone before we looked
+                return False
+            raise PlatformError(f"cannot watch {directory}: {os.strerror(err)}")
+        self._dirs[wd] = directory
+        self._paths.add(directory)
+        return True
+
+    def watching(self, directory: Path) -> bool:
+        return directory in self._paths
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def read(self, timeout_s: float) -> list[TreeEvent]:
+        """Events that arrive within ``timeout_s``; ``[]`` on timeout. A lost directory's
+        watch is dropped (its event still says so: ``watch_gone``)."""
+        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
+        if not ready:
+            return []
+        try:
+            data = os.read(self._fd, 64 * 1024)
+        except BlockingIOError:
+            return []
+        except OSError as err:
+            raise PlatformError(f"reading inotify events failed: {err}") from err
+        events: list[TreeEvent] = []
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+            raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
+            offset += _HEADER.size + length
+            directory = self._dirs.get(wd) if mask & IN_IGNORED == 0 else self._forget(wd)
+            if directory is not None or mask & IN_Q_OVERFLOW:
+                event = InotifyEvent(mask, os.fsdecode(raw.rstrip(b"\0")))
+                events.append(TreeEvent(directory or Path(), event))
+        return events
+
+    def _forget(self, wd: int) -> Path | None:
+        directory = self._dirs.pop(wd, None)
+        if directory is not None and directory not in self._dirs.values():
+            self._paths.discard(directory)
+        return directory
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._dirs.clear()
+            self._paths.clear()

@@ -38,6 +38,7 @@ from agent.surfaces.statusview import (
     ActionLog,
     ContainerStatus,
     GpuStatus,
+    GuardExemption,
     MpsDaemonInfo,
     StatusDocument,
     agent_info,
@@ -263,6 +264,10 @@ class EnforcementIntegration:
             agent=agent,
             gpus=gpus,
             recent_actions=self.actions.snapshot(),
+            guard_exemptions=[
+                GuardExemption(namespace=e.namespace, pod=e.pod, reason=e.reason)
+                for e in self._host.guard_exemptions()
+            ],
         )
 
     def _container_row(self, control: ContainerControl, memory: dict[str, int]) -> ContainerStatus:

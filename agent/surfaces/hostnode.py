@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent.clock import SystemClock
-from agent.control.deviceguard import DeviceGuard, GuardTarget, default_rules
+from agent.control.deviceguard import DeviceGuard, default_rules
+from agent.control.guardtargets import Exemption, GuardTargets
+from agent.control.podgate import PodGate, gate_rules
 from agent.control.supervisor import Supervisor
 from agent.domain.nodeconfig import NodeConfig
 from agent.errors import VcudaError
@@ -50,19 +51,31 @@ class HostIntegration:
         self.tracer: IoctlTracer | None = None
         self.bpf: BpfSupport | None = None
         self.guard: DeviceGuard | None = None
+        self.gate: PodGate | None = None
+        self._guard_targets: GuardTargets | None = None
         self._exited: list[int] = []
         self._exited_lock = threading.Lock()
 
-    def enable_guard(self, targets: Callable[[], Iterable[GuardTarget]]) -> None:
+    def enable_guard(self, targets: GuardTargets) -> None:
         """The device guard needs to know the pods (Kubernetes mode)."""
         mode = self.cgroup_settings.device_guard
         if mode is GuardMode.OFF:
             log.info("device guard: off")
             return
+        self._guard_targets = targets
+        rules = default_rules(self.facts.layout, self.bpf_settings.bpf_dir)
         self.guard = DeviceGuard(
             targets,
             self.resolver,
-            default_rules(self.facts.layout, self.bpf_settings.bpf_dir),
+            rules,
+            mode=mode,
+            interval_s=self.cgroup_settings.guard_interval_s,
+            proc_root=self.cgroup_settings.proc_root,
+        )
+        self.gate = PodGate(
+            targets.pod_policy,
+            self.resolver,
+            gate_rules(rules),
             mode=mode,
             interval_s=self.cgroup_settings.guard_interval_s,
             proc_root=self.cgroup_settings.proc_root,
@@ -78,6 +91,8 @@ class HostIntegration:
         if self.guard is not None:
             log.info("device guard: %s with %s", self.cgroup_settings.device_guard, self.guard.mechanism)
             supervisor.spawn("device-guard", self.guard.run)
+        if self.gate is not None:
+            supervisor.spawn("device-gate", self.gate.run)
 
     def _start_tracer(self) -> None:
         if not self.bpf_settings.ioctl_tracing:
@@ -115,6 +130,10 @@ class HostIntegration:
                 exited, self._exited = self._exited, []
             if exited and self.tracer is not None:
                 self.tracer.forget(*exited)
+
+    def guard_exemptions(self) -> list[Exemption]:
+        """The pods the device guard leaves alone, and why (empty when the guard is off)."""
+        return [] if self._guard_targets is None else self._guard_targets.exemptions()
 
     def bpf_status(self) -> str:
         """``off`` when tracing is switched off, ``starting`` while it compiles, else the probe's

@@ -22,7 +22,7 @@ from agent.errors import VcudaError
 from agent.platform.gpu.inventory import GpuInfo, Topology
 from agent.platform.kube.client import api_client
 from agent.platform.kube.events import EventRecorder
-from agent.platform.kube.nodes import NodeClient, NodeWatch
+from agent.platform.kube.nodes import NodeClient, NodeWatch, offered_resources
 from agent.platform.kube.podcache import PodCache
 from agent.platform.kube.pods import PodInfo
 from agent.platform.kube.podwriter import PodWriter
@@ -96,6 +96,8 @@ class KubeIntegration:
         self.last_rebuild: RebuildReport | None = None
         self._labels: Mapping[str, str] = {}
         self._labels_version = -1
+        self._resources: Mapping[str, str] | None = None
+        self._resources_version = -1
 
     def node_labels(self) -> Mapping[str, str]:
         """The node's labels, re-read only when the node watch saw a change (Allocate asks)."""
@@ -106,6 +108,15 @@ class KubeIntegration:
             self._labels = {str(k): str(v) for k, v in labels.items()}
             self._labels_version = version
         return self._labels
+
+    def node_resources(self) -> Mapping[str, str] | None:
+        """The node's status.capacity with status.allocatable over it (what it offers), re-read
+        only when the node watch saw a change; None until the node has been seen."""
+        version = self.node_watch.version
+        if version != self._resources_version:
+            self._resources = offered_resources(self.node_watch.current())
+            self._resources_version = version
+        return self._resources
 
     def specs(self) -> list[EnforcementSpec]:
         return self.specbook.specs()

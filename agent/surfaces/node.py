@@ -302,4 +302,5 @@ def guard_targets(kube: KubeIntegration, gpus: Sequence[GpuInfo], settings: Sett
         cgroups.own_pod_uid,
         exempt_namespaces=cgroups.guard_exempt_namespaces,
         events=kube.events,
+        node_resources=kube.node_resources,
     )

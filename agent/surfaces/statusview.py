@@ -64,6 +64,9 @@ Fields:
   per-cgroup limit, else the guard's ``kill`` | ``deny`` | ``audit``, ``none``) and
   ``memoryDetail``; ``problem`` (null, or why the controller cannot act on it now, e.g. a
   freeze skipped because the freeze journal cannot be written).
+- ``guardExemptions[]``: the pods the device guard leaves alone, each ``namespace``/``pod``
+  and ``reason`` (the agent's own pod, the admin's exempt namespaces, or a quantity above
+  zero of a GPU resource another device plugin offers on this node).
 - ``recentActions[]``, oldest first: ``time`` (Unix seconds), ``container``
   (``namespace/pod/container``, or ``""`` for node-wide actions), ``action`` (short,
   e.g. ``killed pid 123``), ``detail`` (free text).
@@ -162,12 +165,19 @@ class ActionRecord(TypedDict):
     detail: str
 
 
+class GuardExemption(TypedDict):
+    namespace: str
+    pod: str
+    reason: str
+
+
 class StatusDocument(TypedDict):
     version: int
     node: str
     time: float
     agent: AgentInfo
     gpus: list[GpuStatus]
+    guardExemptions: list[GuardExemption]
     recentActions: list[ActionRecord]
 
 
@@ -305,6 +315,7 @@ def status_document(
     agent: AgentInfo,
     gpus: list[GpuStatus],
     recent_actions: list[ActionRecord] | None = None,
+    guard_exemptions: list[GuardExemption] | None = None,
 ) -> StatusDocument:
     """The whole document, stamped with ``SCHEMA_VERSION``; GPUs sorted by index."""
     return StatusDocument(
@@ -313,6 +324,7 @@ def status_document(
         time=time,
         agent=agent,
         gpus=sorted(gpus, key=lambda g: g["index"]),
+        guardExemptions=list(guard_exemptions or []),
         recentActions=list(recent_actions or []),
     )
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.platform.cgroups.devicepolicy import NvidiaMajors
+from agent.platform.cgroups.devices_v2 import BpfDeviceRules
 from tests.runtime.containerd import PrivateContainerd, RuntimeUnavailable
 from tests.runtime.hostcaps import crun_v2_blocker
 
@@ -58,6 +60,15 @@ def _kubepods_cleanup() -> Iterator[None]:
     for top in _kubepods_dirs():
         if top.exists() and top not in existing:  # only what this session's containers made
             _remove_tree(top)
+
+
+@pytest.fixture(scope="session")
+def bpf_rules() -> Iterator[BpfDeviceRules]:
+    """The agent's v2 device program, compiled once for the session."""
+    rules = BpfDeviceRules(NvidiaMajors())
+    rules.load()
+    yield rules
+    rules.close()
 
 
 @pytest.fixture(scope="session", params=CELLS, ids=[f"{r}-{c}" for r, c in CELLS])

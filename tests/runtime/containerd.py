@@ -158,6 +158,10 @@ class Container:
         return f"/kubepods{qos}/pod{self.pod_uid}/{self.id}"
 
 
+def new_pod_uid() -> str:
+    return f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
+
+
 def _namespace_script(cgroup: str) -> str:
     """Shell run in the private mount namespace before containerd: the node's cgroup layout."""
     if cgroup == "v2":
@@ -257,6 +261,8 @@ class PrivateContainerd:
         image: str = IMAGE,
         env: Mapping[str, str] | None = None,
         mounts: Sequence[tuple[str, str]] = (),
+        pod_uid: str | None = None,
+        rw_mounts: dict[Path, str] | None = None,
     ) -> Container:
         """A running container, placed where kubelet would place it; returns once its task runs.
 
@@ -269,19 +275,39 @@ class PrivateContainerd:
 
         ``env`` and ``mounts`` ((container path, host path), read-only binds) are what kubelet
         hands the CRI from Allocate; ctr, like containerd's CRI plugin, puts ``env`` over the
-        image's environment by name."""
-        pod_uid = f"{secrets.token_hex(4)}-0000-4000-8000-{secrets.token_hex(6)}"
+        image's environment by name. ``pod_uid``: a pod whose cgroup was made beforehand
+        (kubelet makes it before the containers; default: a new one). ``rw_mounts``: host
+        directory -> path in the container (read-write binds)."""
+        pod_uid = pod_uid or new_pod_uid()
         container = Container(secrets.token_hex(32), 0, pod_uid, qos)
-        self.ctr(
-            "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
-            "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
-            *(f"--device={d}" for d in devices), *(f"--env={k}={v}" for k, v in (env or {}).items()),
-            *(f"--mount=type=bind,src={h},dst={c},options=rbind:ro" for c, h in mounts),
-            image, container.id, *command,
-        )  # fmt: skip
+        binds = [f"--mount=type=bind,src={h},dst={c},options=rbind:ro" for c, h in mounts]
+        binds += [f"--mount=type=bind,src={h},dst={c},options=rbind:rw" for h, c in (rw_mounts or {}).items()]
+        try:
+            self._run(container, devices, command, image=image, env=env or {}, binds=binds)
+        except RuntimeError:
+            self.ctr("task", "delete", container.id, check=False)  # the runtime refused it:
+            self.ctr("containers", "delete", container.id, check=False)  # keep no record
+            raise
         running = Container(container.id, self.task_pid(container.id), pod_uid, qos)
         self.containers.append(running)
         return running
+
+    def _run(
+        self,
+        container: Container,
+        devices: tuple[Path, ...],
+        command: tuple[str, ...],
+        *,
+        image: str,
+        env: Mapping[str, str],
+        binds: list[str],
+    ) -> None:
+        self.ctr(
+            "run", "-d", "--cpu-shares", "0", "--runc-binary", self.runtime,
+            "--runc-root", str(self.runc_root), "--cgroup", container.cgroup_path,
+            *(f"--device={d}" for d in devices), *(f"--env={k}={v}" for k, v in env.items()),
+            *binds, image, container.id, *command,
+        )  # fmt: skip
 
     def _task_row(self, container_id: str) -> list[str] | None:
         """``ctr task ls``'s row of the container: id, pid, status; None without a task."""

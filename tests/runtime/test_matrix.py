@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,14 +54,6 @@ def scope(containerd: PrivateContainerd, box: Container, v1_controller: str) -> 
     )
     assert found is not None, f"no {v1_controller} cgroup for {box.cgroup_path}"
     return found
-
-
-@pytest.fixture(scope="module")
-def bpf_rules() -> Iterator[BpfDeviceRules]:
-    rules = BpfDeviceRules(NvidiaMajors())
-    rules.load()
-    yield rules
-    rules.close()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.control.containers import DURATION_BUCKETS_S, ContainerControl, EnforcerStats, GpuView
 from agent.control.deviceguard import GuardStats
+from agent.control.podgate import GateStats
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import DutyState
 from agent.domain.health import XidCounts
@@ -125,7 +126,9 @@ def registry() -> CollectorRegistry:
         specs=lambda: SPECS,
     )
     stats = GuardStats(GuardMode.ENFORCE, "cgroup v2 bpf", 6, 1, 2, 3, 10, {})
-    host: Any = SimpleNamespace(bpf_status=lambda: "ok", guard=SimpleNamespace(stats=lambda: stats))
+    gate = SimpleNamespace(stats=lambda: GateStats(gated=4, applied=5, errors=1))
+    guard = SimpleNamespace(stats=lambda: stats)
+    host: Any = SimpleNamespace(bpf_status=lambda: "ok", guard=guard, gate=gate)
     counts = [5, 9, 20, 20, 20, 21, 21, 21, 21, 21, 21, 21][: len(DURATION_BUCKETS_S)]
     loop = EnforcerStats(
         periods=22, overruns=1, measure_errors=2, actuator_errors=3, bucket_counts=counts, duration_sum_s=0.75

@@ -200,6 +200,17 @@ def test_v1_plan_in_default_allow_mode_denies_per_minor() -> None:
     assert [r.line() for r in no_gpu.deny] == [f"c {m}:* rwm" for m in (195, 235, 236, 507, 508, 510)]
 
 
+def test_v1_plan_for_a_pod_cgroup_keeps_mknod() -> None:
+    # The gate's deny lines on a pod's cgroup: children inherit them, and the kernel refuses a
+    # child's allow line that a parent's exception partly matches (runc's "c *:* m" too).
+    result = plan([ALLOW_ALL], DevicePolicy(frozenset({1})), MAJORS, deny_access="rw")
+    lines = [r.line() for r in result.deny]
+    assert "c 195:0 rw" in lines and "c 195:1 rw" not in lines
+    assert all(not line.endswith("m") for line in lines)
+    no_gpu = plan([ALLOW_ALL], DevicePolicy(None), MAJORS, deny_access="rw")
+    assert [r.line() for r in no_gpu.deny] == [f"c {m}:* rw" for m in (195, 235, 236, 507, 508, 510)]
+
+
 def test_v1_plan_reports_what_it_cannot_narrow() -> None:
     rules = parse_devices_list("c *:* rwm\nc 1:3 rwm\n")
     result = plan(rules, DevicePolicy(None), MAJORS)

@@ -20,6 +20,7 @@ from agent.surfaces.statusview import (
     SCHEMA_VERSION,
     ActionLog,
     ContainerStatus,
+    GuardExemption,
     action_record,
     agent_info,
     container_status,
@@ -283,3 +284,14 @@ def test_a_cap_the_freezer_cannot_hold_gets_a_line_under_its_gpu() -> None:
     row = next(i for i, line in enumerate(lines) if line.strip().startswith("ml/deep-queue/main "))
     assert lines.index(note) > row
     assert "cap not holdable" not in render_status(document())
+
+
+def test_guard_exemptions_are_listed_with_their_reason() -> None:
+    doc = document()
+    assert doc["guardExemptions"] == [] and "device guard exemptions" not in render_status(doc)
+    doc["guardExemptions"] = [
+        GuardExemption(namespace="team-a", pod="trainer", reason="nvidia.com/gpu: 1 (container main) ...")
+    ]
+    text = render_status(doc).splitlines()
+    at = text.index("device guard exemptions")
+    assert text[at + 1] == "  team-a/trainer: nvidia.com/gpu: 1 (container main) ..."

@@ -85,15 +85,18 @@ class V1Plan:
         return not self.allow and not self.deny
 
 
-def plan(current: list[DeviceRule], policy: DevicePolicy, majors: NvidiaMajors) -> V1Plan:
-    """What to write, given the cgroup's devices.list (pure; see the module docstring)."""
+def plan(
+    current: list[DeviceRule], policy: DevicePolicy, majors: NvidiaMajors, deny_access: str = "rwm"
+) -> V1Plan:
+    """What to write, given the cgroup's devices.list (pure; see the module docstring).
+    ``deny_access``: what a default-allow cgroup's deny lines take ("rw" on a pod's cgroup)."""
     denied_majors = policy.denied_majors(majors)
     allowed_minors = policy.allowed_minors()
     if ALLOW_ALL in current:
-        deny = [DeviceRule("c", NVIDIA_MAJOR, m, "rwm") for m in range(256) if m not in allowed_minors]
+        deny = [DeviceRule("c", NVIDIA_MAJOR, m, deny_access) for m in range(256) if m not in allowed_minors]
         if not allowed_minors:
-            deny = [DeviceRule("c", NVIDIA_MAJOR, None, "rwm")]
-        deny += [DeviceRule("c", major, None, "rwm") for major in sorted(denied_majors)]
+            deny = [DeviceRule("c", NVIDIA_MAJOR, None, deny_access)]
+        deny += [DeviceRule("c", major, None, deny_access) for major in sorted(denied_majors)]
         return V1Plan(default_allow=True, deny=tuple(deny))
     allow: list[DeviceRule] = []
     deny = []
@@ -139,8 +142,12 @@ class V1DeviceRules:
 
     controller = CONTROLLER
 
-    def __init__(self, majors: NvidiaMajors | None = None) -> None:
+    def __init__(self, majors: NvidiaMajors | None = None, *, deny_access: str = "rwm") -> None:
+        """``deny_access="rw"`` for a pod's cgroup (the device gate): a child inherits the
+        parent's deny lines, and the kernel refuses a child any allow line that a parent's
+        exception partly matches, runc's blanket ``c *:* m`` included, unless "m" stays."""
         self._majors = majors or NvidiaMajors()
+        self._deny_access = deny_access
         self._written: dict[Path, _Written] = {}
 
     def set_majors(self, majors: NvidiaMajors) -> None:
@@ -177,7 +184,7 @@ class V1DeviceRules:
             raise GuardError(f"cgroup {cgroup_dir} is gone: {err.strerror or err}") from err
 
     def planned(self, cgroup_dir: Path, policy: DevicePolicy) -> list[str]:
-        result = plan(self._read(cgroup_dir), policy, self._majors)
+        result = plan(self._read(cgroup_dir), policy, self._majors, self._deny_access)
         lines = [f"{cgroup_dir}/devices.allow <- {r.line()}" for r in result.allow]
         lines += [f"{cgroup_dir}/devices.deny <- {r.line()}" for r in result.deny]
         return lines + [f"{cgroup_dir}: {p}" for p in result.problems]
@@ -193,7 +200,7 @@ class V1DeviceRules:
             if fresh:
                 self._written[cgroup_dir] = _Written(inode, policy)
             return Outcome.APPLIED if fresh else Outcome.UNCHANGED
-        result = plan(self._read(cgroup_dir), policy, self._majors)
+        result = plan(self._read(cgroup_dir), policy, self._majors, self._deny_access)
         if state is None or fresh:
             state = self._written[cgroup_dir] = _Written(inode, policy, default_allow=result.default_allow)
         # Remembered before writing, so a write failing half-way is still given back.
@@ -202,7 +209,7 @@ class V1DeviceRules:
         self._write(cgroup_dir, "devices.allow", list(result.allow))
         self._write(cgroup_dir, "devices.deny", list(result.deny))
         if not result.default_allow:
-            after = plan(self._read(cgroup_dir), policy, self._majors)
+            after = plan(self._read(cgroup_dir), policy, self._majors, self._deny_access)
             if not after.empty:
                 raise GuardError(
                     f"{cgroup_dir}/devices.list still grants "

@@ -93,6 +93,22 @@ def pod_relpath(driver: CgroupDriver, pod_uid: str, qos: QosClass) -> Path:
     return Path("kubepods", tier, f"pod{pod_uid}")
 
 
+def pod_uid_of(name: str) -> str | None:
+    """The pod UID a pod directory's name carries (either driver); None for other names."""
+    systemd = _SYSTEMD_POD.match(name)
+    if systemd:
+        return systemd.group(1).replace("_", "-")
+    cgroupfs = _CGROUPFS_POD.match(name)
+    return cgroupfs.group(1) if cgroupfs else None
+
+
+def qos_dir_names(driver: CgroupDriver) -> tuple[str, ...]:
+    """The Burstable and BestEffort parents inside kubepods (Guaranteed pods sit in kubepods)."""
+    if driver == CgroupDriver.SYSTEMD:
+        return ("kubepods-burstable.slice", "kubepods-besteffort.slice")
+    return ("burstable", "besteffort")
+
+
 def container_names(driver: CgroupDriver, container_id: str) -> list[str]:
     """The names a container's directory may have inside its pod's directory."""
     cid = bare_container_id(container_id)

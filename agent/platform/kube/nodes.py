@@ -26,6 +26,16 @@ def pointer_escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
+def offered_resources(node: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """A Node's status.capacity with status.allocatable over it: what it offers to pods
+    (resource → quantity text); None for no node."""
+    if node is None:
+        return None
+    status = node.get("status") or {}
+    merged = {**(status.get("capacity") or {}), **(status.get("allocatable") or {})}
+    return {str(k): str(v) for k, v in merged.items()}
+
+
 class NodeClient:
     """Reads and patches one node (``node_name``)."""
 

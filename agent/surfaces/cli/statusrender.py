@@ -44,8 +44,19 @@ def render_status(doc: Mapping[str, Any], max_actions: int = MAX_ACTIONS) -> str
         containers = _mappings(gpu.get("containers"))
         lines += ["  " + row for row in container_table(containers)]
         lines += ["  " + row for row in unholdable_notes(containers)]
+    lines += exemption_lines(_mappings(doc.get("guardExemptions")))
     lines += ["", *actions_block(_mappings(doc.get("recentActions")), max_actions)]
     return "\n".join(lines)
+
+
+def exemption_lines(exemptions: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pods the device guard leaves alone and why; nothing when there are none."""
+    if not exemptions:
+        return []
+    rows = [
+        f"  {_text(e.get('namespace'))}/{_text(e.get('pod'))}: {_text(e.get('reason'))}" for e in exemptions
+    ]
+    return ["", "device guard exemptions", *rows]
 
 
 def _header(doc: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Host-side metrics at scrape time: eBPF status and the device guard's counters."""
+"""Host-side metrics at scrape time: eBPF status, the device guard's and the gate's counters."""
 
 from __future__ import annotations
 
@@ -57,3 +57,16 @@ class HostCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=labels)
             counter.add_metric(values, float(value))
             yield counter
+        gate = self._host.gate
+        if gate is not None:
+            gate_stats = gate.stats()
+            gated = GaugeMetricFamily(
+                "vcuda_device_gate_pods", "Pod cgroups holding the device gate's rules", labels=labels
+            )
+            gated.add_metric(values, float(gate_stats.gated))
+            yield gated
+            errors = CounterMetricFamily(
+                "vcuda_device_gate_errors", "Failed attempts to put rules on a pod's cgroup", labels=labels
+            )
+            errors.add_metric(values, float(gate_stats.errors))
+            yield errors
