@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
@@ -47,7 +47,7 @@ from agent.errors import MpsUnavailableError
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.gpu.mpspartition import partition_for, sm_count_for, throughput_curve_for
 from agent.platform.mpsdaemon import DaemonState, DaemonStatus, MpsDaemon, probe_command
-from agent.platform.mpsv3 import UNVERIFIED, MpsCapability, namespace_name
+from agent.platform.mpsv3 import MpsCapability, namespace_name
 from agent.settings import SharingMode, SharingSettings
 
 log = logging.getLogger(__name__)
@@ -333,6 +333,13 @@ class MpsSharing:
             return self._grants.get(_key(pod_uid, container))
 
     def gpus(self) -> list[GpuSharing]:
+        """Each GPU's actuator and why; the driver's MPS capability where it was probed."""
+        capability = self.capability
+        if capability is None:
+            return self._gpus_held()
+        return [replace(g, reason=f"{g.reason}; {capability.describe_gpu(g.gpu)}") for g in self._gpus_held()]
+
+    def _gpus_held(self) -> list[GpuSharing]:
         out = []
         for index, daemon in sorted(self._daemons.items()):
             reason = self.why_not(index)
@@ -348,7 +355,7 @@ class MpsSharing:
                 )
             else:
                 v3 = (
-                    f"; MPS v3: limits on the daemon's side per share cgroup, {UNVERIFIED}"
+                    "; MPS v3: limits on the daemon's side per share cgroup (enforceable)"
                     if self._binder
                     else ""
                 )

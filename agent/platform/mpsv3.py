@@ -51,6 +51,13 @@ class MpsCapability:
     dmem: Mapping[int, bool] = field(default_factory=dict)  # GPU index -> a dmem region
     verified: bool = False  # seen working on a lent GPU (never yet)
 
+    def describe_gpu(self, gpu: int) -> str:
+        """What status says of one GPU."""
+        v3 = "yes" if self.v3 else f"no ({self.v3_detail})"
+        dmem = "yes" if self.dmem.get(gpu) else "no"
+        note = "" if self.verified else f", {UNVERIFIED}"
+        return f"MPS v3 namespaces: {v3}; dmem: {dmem}{note}"
+
     def describe(self) -> str:
         dmem = ", ".join(f"GPU {i} {'yes' if ok else 'no'}" for i, ok in sorted(self.dmem.items()))
         v3 = "yes" if self.v3 else f"no ({self.v3_detail})"

@@ -287,7 +287,13 @@ def test_a_malformed_request_gets_an_error_and_the_server_keeps_serving(
         }
         conn.send({"op": "fly"})
         assert conn.receive(5.0) == {"ok": False, "error": "unknown op 'fly'"}
-        assert conn.call({"op": "node"}) == {"ok": True, "node_name": NODE, "gpus": 2, "memory_limits": False}
+        assert conn.call({"op": "node"}) == {
+            "ok": True,
+            "node_name": NODE,
+            "gpus": 2,
+            "memory_limits": False,
+            "mps_v3": False,
+        }
     finally:
         conn.close()
 

@@ -139,7 +139,13 @@ def run_cheat(server: GpuServerProcess, tree: CgroupTree, root: Path, *, v3: boo
             clients.append(client)
             assert client.reply["ok"], client.reply
             shares[pod] = client.reply["share"]
-        assert sharing.advisory(0) is not v3
+        assert sharing.advisory(0) is not v3  # vcuda_mps_limits_advisory
+        reason = sharing.gpus()[0].reason
+        if v3:
+            assert "(enforceable)" in reason and "MPS v3 namespaces: yes" in reason, reason
+            assert "unverified on hardware" in reason, reason
+        else:
+            assert "MPS v3 namespaces: no (test)" in reason, reason
         return shares
     finally:
         for client in clients:
@@ -205,6 +211,34 @@ def test_a_tenant_reaching_the_control_socket_cannot_rebind_itself(
         client = Client(v3_server, grant.pipe_dir, cgroups["tenant"], 100.0)
         assert client.reply["share"] == pytest.approx(effective_share(10, SMS))
         client.close()
+    finally:
+        for daemon in sharing._daemons.values():
+            daemon.stop()
+
+
+def test_a_client_before_its_binding_gets_the_floor_and_the_next_tick_binds_it(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    cgroup = tree.mkdir(UNIFIED, "kubepods/pod-late/ctr")
+    known: dict[str, Path] = {}  # the agent has not seen the container's cgroup yet
+    sharing = sharing_on(v3_server, short_dir / "mps", known, v3=True)
+    try:
+        grant = sharing.grant_for(
+            ResolvedRequest(30, gpus_of(v3_server)[:1]),
+            Assignment("late", "default", "l", "c", False, (0,), 30, 0),
+        )
+        assert grant is not None and grant.namespace is not None and not grant.advisory
+        assert send_commands(grant.pipe_dir, ["namespace get --name=default"]) == ["1.0 0 -"]
+        early = Client(v3_server, grant.pipe_dir, cgroup, 100.0)
+        assert early.reply["share"] == pytest.approx(effective_share(1, SMS))  # never above a grant
+        known["late"] = cgroup
+        sharing.bind_pending()
+        later = Client(v3_server, grant.pipe_dir, cgroup, 100.0)
+        assert later.reply["share"] == pytest.approx(effective_share(grant.partition.percent, SMS))
+        early.close()
+        later.close()
+        sharing.forget(set())  # the container left the ledger: its namespace goes
+        assert send_commands(grant.pipe_dir, ["namespace list"]) == [""]
     finally:
         for daemon in sharing._daemons.values():
             daemon.stop()

@@ -71,6 +71,8 @@ def test_the_capability_says_unverified_on_hardware(tmp_path: Path) -> None:
     )
     assert cap.v3 and cap.dmem == {0: True} and not cap.verified
     assert cap.describe() == f"MPS v3 namespaces: yes; dmem: GPU 0 yes [{mpsv3.UNVERIFIED}]"
+    assert cap.describe_gpu(0) == f"MPS v3 namespaces: yes; dmem: yes, {mpsv3.UNVERIFIED}"
+    assert cap.describe_gpu(1).startswith("MPS v3 namespaces: yes; dmem: no")
     old = mpsv3.detect(["c"], {0: "00000000:18:00.0"}, run=runner(1), capacity=tmp_path / "none")
     assert old.describe().startswith("MPS v3 namespaces: no (-p 3 -h exited 1")
 
