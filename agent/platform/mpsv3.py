@@ -22,6 +22,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from subprocess import DEVNULL
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def probe_v3(daemon_command: Sequence[str], run: Runner = subprocess.run) -> tup
         return False, "no MPS control daemon command is configured"
     argv = [*client_command(daemon_command), "-p", "3", "-h"]
     try:
-        done = run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
+        # no stdin: an older control that ignores the flags must not wait in its interactive shell
+        done = run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False, stdin=DEVNULL)
     except (OSError, subprocess.SubprocessError) as err:
         return False, f"{' '.join(argv)}: {err}"
     text = f"{done.stdout}\n{done.stderr}"
@@ -150,7 +152,15 @@ def send(
     argv = [*client_command(daemon_command), "-p", "3", *words]
     env = {**environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
     try:
-        done = run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False, env=env)
+        done = run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+            env=env,
+            stdin=DEVNULL,
+        )
     except (OSError, subprocess.SubprocessError) as err:
         return f"{' '.join(words)}: {err}"
     out = (done.stdout or "").strip()
