@@ -16,16 +16,17 @@ its ceiling (fixed-share: its cap; burst-share: its limit, 100 without one; best
 100), never more than what the GPU's fixed shares leave (100 - the others' fixed caps, for
 best-effort and burst-share), rounded to whole TPCs as the hardware does
 (:mod:`agent.platform.gpu.mpspartition`), and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for its
-vcuda-memory; every such grant is marked advisory in status and metrics.
+vcuda-memory; every such grant is marked advisory in status and metrics. Whole GPUs never
+get a daemon. Whatever cannot have MPS (the command is missing, the daemon will not come
+up) is held by the freezer as before, and the reason is kept for status.
 
 **MPS v3** (``capability.v3``: the node's control daemon speaks protocol 3, r615+/R620;
 :mod:`agent.platform.mpsv3`): the limits are the daemon's, not the client's. Each share gets a
-namespace with its percentage and memory limit, bound to its container's cgroup
-(:mod:`.mpsnamespacing`); the daemon runs with ``-p 3``, the ADVISORY reason does not apply,
-and the grants are enforceable, marked unverified on hardware. Without v3 nothing changes.
-Whole GPUs never
-get a daemon. Whatever cannot have MPS (the command is missing, the daemon will not come
-up) is held by the freezer as before, and the reason is kept for status.
+namespace with its percentage and memory limit, bound to its pod's and then its container's
+cgroup (:mod:`.mpsnamespacing`); the daemon runs with ``-p 3``, the ADVISORY reason does not
+apply, and the grants are enforceable, marked unverified on hardware. A share without a
+ledger container (a DRA claim's) gets no namespace: advisory as before. Without v3 nothing
+changes.
 """
 
 from __future__ import annotations
