@@ -22,7 +22,7 @@ its use per second of being on, against the target.
     sudo .venv/bin/python bench/enforcement.py [--pattern train,infer,graph,bursty,burn]
         [--sample-period S] [--timeslice-ms MS] [--kernel-ms MS] [--seed N] [--seconds S]
         [--sample-delay S] [--sample-jitter S] [--settle S] [--model]
-        [--actuator freezer|mps|auto [--mps-advisory-limits]] [--mps-samples server|client]
+        [--actuator freezer|mps|auto [--mps-advisory-limits] [--driver-mps-v3]] [--mps-samples server|client]
 
 ``--actuator mps`` (or ``auto``, the same on the engine, which can always run MPS) runs the
 agent in sharing mode mps. As the product does by default, that uses no MPS limit a tenant
@@ -31,7 +31,9 @@ can lift, i.e. none on this driver: the freezer holds the shares. With
 duty cycles on top; ``--mps-samples`` says whom NVML credits with an MPS client's work. Both
 add the scenario of a tenant with 10 cores that sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 in
 its own env beside fixed 50 and fixed 40 (RESULT ``mps_cheat_gain_pp``: its use over its
-grant; its rows are left out of every other figure).
+grant; its rows are left out of every other figure). ``--driver-mps-v3``: the engine's driver
+has MPS v3 (r615+), the agent detects it and binds each share's limits to its cgroup on the
+daemon's side, where the tenant's env cannot raise them (unverified on hardware).
 
 Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infer_p99_ms=...``
 (max_abs_error_pp and max_settle_s over every capped container of every pattern but burn),
@@ -239,6 +241,8 @@ def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, work
     ]  # fmt: skip
     if args.sample_period is not None:
         gpu_args += ["--sample-period", f"{args.sample_period:g}"]
+    if args.driver_mps_v3:
+        gpu_args += ["--driver-mps-v3"]
     agent_args: tuple[str, ...] = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
     agent_args = (*agent_args, "--sharing-mode", args.actuator)
     if args.mps_advisory_limits:
@@ -303,6 +307,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --actuator mps/auto: the agent's --mps-advisory-limits (MPS limits a tenant can "
         "lift are used; without it the freezer holds the shares, as the product does by default)",
+    )
+    parser.add_argument(
+        "--driver-mps-v3",
+        action="store_true",
+        help="with --actuator mps/auto: an r615+ driver whose MPS daemon binds limits to cgroups "
+        "(MPS v3 namespaces; the agent detects it and uses them: enforceable, unverified on hardware)",
     )
     parser.add_argument(
         "--mps-samples",

@@ -22,6 +22,7 @@ from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.mpspartition import effective_share, partition_for
 from agent.platform.gpu.sim.engineconfig import EngineConfig
+from agent.platform.gpu.sim.mpscontrol import MpsControl
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
 PERIOD_S = 0.25
@@ -97,6 +98,23 @@ def model_enforcer(
     )
 
 
+def v3_percentage(control: MpsControl, box: Box, percent: int, pid: int) -> float:
+    """What an MPS v3 daemon gives ``box``: a namespace at ``percent`` bound to its cgroup,
+    its own env (100 for the cheat) only lowering it, as the agent sets it up
+    (agent.control.mpsnamespacing)."""
+    name, cgroup = f"vcuda-{box.name}", f"/sys/fs/cgroup/kubepods/pod-{box.name}"
+    for line in (
+        f"namespace create --name={name}",
+        f"namespace set --name={name} --active-thread-percentage={percent}",
+        f"namespace bind --name={name} --cgroup={cgroup}",
+    ):
+        reply = control.command(line)
+        assert reply == "", reply
+    limits = control.admit(pid, 0, 100.0 if box.cheat else float(percent), None, cgroup)
+    assert limits is not None
+    return limits.percentage
+
+
 def continuous_shares(boxes: list[Box]) -> list[float]:
     """Each container's share if it were delivered continuously (a GPU partitioned exactly):
     its request, and the best-effort ones what is left."""
@@ -124,7 +142,10 @@ def run_model(
     specs = [box_spec(b) for b in boxes]
     # The engine can always run MPS; the product uses its limits only where it may (they are
     # advisory on every driver: agent.control.mpssharing), else the freezer holds the shares.
-    mps = continuous or (args.actuator in ("mps", "auto") and args.mps_advisory_limits)
+    # With an MPS v3 driver (--driver-mps-v3) the limits are the daemon's, per cgroup: used.
+    v3 = args.actuator in ("mps", "auto") and getattr(args, "driver_mps_v3", False)
+    mps = continuous or (args.actuator in ("mps", "auto") and (args.mps_advisory_limits or v3))
+    control = MpsControl(MPS_SERVER_PID, protocol=3) if v3 and not continuous else None
     enforcer = model_enforcer(
         gpu,
         lambda: specs,
@@ -141,7 +162,10 @@ def run_model(
         # a cheat replaces with 100 in its own env (the daemon's default of 100 lets it).
         fixed_others = sum(b.cap or 0 for b in specs if b is not box_spec_ and b.policy is Policy.FIXED_SHARE)
         ceiling = mps_ceiling(box_spec_, fixed_others)
-        share = 1.0 if box.cheat else effective_share(partition_for(ceiling, H100_SMS).percent, H100_SMS)
+        percent = partition_for(ceiling, H100_SMS).percent
+        share = 1.0 if box.cheat else effective_share(percent, H100_SMS)
+        if control is not None:  # the engine's v3 daemon: its namespace, whatever the env says
+            share = effective_share(v3_percentage(control, box, percent, 1000 + n), H100_SMS)
         if continuous:
             share = ideal[n]
         gpu.add(box.name, 0, pattern_program(spec, box_stats), share=share if mps else 1.0, mps_client=mps)

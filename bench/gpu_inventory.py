@@ -153,8 +153,24 @@ def host_facts(python: str, *, with_torch: bool = True) -> dict[str, Any]:
         "cgroup": _guard(cgroup_facts),
         "bpf": _guard(bpf_facts),
         "mps_control": shutil.which("nvidia-cuda-mps-control"),
+        "mps_v3": _guard(mps_v3_facts),
         "torch": torch_facts(python) if with_torch else "not probed",
     }
+
+
+def mps_v3_facts(capacity: Path | None = None) -> dict[str, Any]:
+    """What the agent's MPS v3 detection finds here (agent.platform.mpsv3), and the raw
+    dmem.capacity, so that the first lent GPU with an r615+ driver records both."""
+    from agent.platform.mpsv3 import DMEM_CAPACITY, probe_v3  # noqa: PLC0415  (the agent, only here)
+
+    capacity = capacity or DMEM_CAPACITY
+    control = shutil.which("nvidia-cuda-mps-control")
+    v3, detail = probe_v3([control]) if control else (False, "no nvidia-cuda-mps-control")
+    try:
+        dmem: Any = capacity.read_text(errors="replace").splitlines()[:32]
+    except OSError as err:
+        dmem = f"absent: {err}"
+    return {"v3": v3, "detail": detail, "dmem_capacity": dmem}
 
 
 # NVML ----------------------------------------------------------------------------------------

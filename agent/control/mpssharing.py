@@ -19,26 +19,36 @@ best-effort and burst-share), rounded to whole TPCs as the hardware does
 vcuda-memory; every such grant is marked advisory in status and metrics. Whole GPUs never
 get a daemon. Whatever cannot have MPS (the command is missing, the daemon will not come
 up) is held by the freezer as before, and the reason is kept for status.
+
+**MPS v3** (``capability.v3``: the node's control daemon speaks protocol 3, r615+/R620;
+:mod:`agent.platform.mpsv3`): the limits are the daemon's, not the client's. Each share gets a
+namespace with its percentage and memory limit, bound to its pod's and then its container's
+cgroup (:mod:`.mpsnamespacing`); the daemon runs with ``-p 3``, the ADVISORY reason does not
+apply, and the grants are enforceable, marked unverified on hardware. A share without a
+ledger container (a DRA claim's) gets no namespace: advisory as before. Without v3 nothing
+changes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
+from agent.control.mpsgrants import MpsGrant, load_grants, save_grants
+from agent.control.mpsnamespacing import NamespaceBinder
 from agent.domain.annotations import Policy
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
 from agent.errors import MpsUnavailableError
 from agent.platform.gpu.inventory import GpuInfo
-from agent.platform.gpu.mpspartition import Partition, partition_for, sm_count_for, throughput_curve_for
+from agent.platform.gpu.mpspartition import partition_for, sm_count_for, throughput_curve_for
 from agent.platform.mpsdaemon import DaemonState, DaemonStatus, MpsDaemon, probe_command
+from agent.platform.mpsv3 import MpsCapability, namespace_name
 from agent.settings import SharingMode, SharingSettings
 
 log = logging.getLogger(__name__)
@@ -51,30 +61,6 @@ ADVISORY = (
     "is what applies below the daemon's 100 %, and the daemon's settings are changed through the "
     "control socket every client must reach"
 )
-# What reading grants.json raises for any bytes in it (OverflowError: int(Infinity), float(10**400)).
-_UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
-
-
-@dataclass(frozen=True)
-class MpsGrant:
-    """What one share was handed at Allocate."""
-
-    gpu: int
-    partition: Partition
-    memory_mib: int | None  # pinned device-memory limit (None: none)
-    pipe_dir: Path  # host path
-    log_dir: Path
-    advisory: bool = True  # the tenant can lift it (see the module docstring)
-
-    def describe(self) -> str:
-        sms = (
-            f" = {self.partition.sms} SMs ({self.partition.effective_percent:g} %)"
-            if self.partition.sms
-            else ""
-        )
-        memory = f", {self.memory_mib} MiB pinned" if self.memory_mib else ""
-        advisory = " (advisory: the tenant can lift it)" if self.advisory else ""
-        return f"MPS {self.partition.percent} %{sms}{memory}{advisory}"
 
 
 @dataclass(frozen=True)
@@ -101,12 +87,14 @@ class MpsSharing:
         live: Callable[[], frozenset[tuple[str, str]]] | None = None,
         advisory_allowed: Callable[[], bool] | None = None,
         advisory_reason: str | None = ADVISORY,
+        capability: MpsCapability | None = None,
         clock: Clock | None = None,
     ) -> None:
         """``fixed_on(gpu, assignment)``: the fixed-share caps on ``gpu`` of shares other than
         ``assignment``'s; ``advisory_allowed``: whether limits a tenant can lift may be used
         now (default: the settings'); ``advisory_reason``: why this driver's MPS limits are
-        advisory (None: they are not)."""
+        advisory (None: they are not); ``capability``: what the node's driver offers (MPS v3
+        makes the limits the daemon's: not advisory)."""
         self.settings = settings
         self._gpus = {g.index: g for g in gpus}
         self._mode = mode
@@ -114,12 +102,16 @@ class MpsSharing:
         self._shares_on = shares_on
         self._fixed_on = fixed_on
         self._advisory_allowed = advisory_allowed or (lambda: settings.advisory_limits)
-        self.advisory_reason = advisory_reason
+        self.capability = capability
+        v3 = capability is not None and capability.v3
+        self.advisory_reason = None if v3 else advisory_reason
         self._live = live  # (pod uid, container) of every ledger entry: grants of others go
         self._clock = clock or SystemClock()
         self.command = list(command)
         self.unavailable = probe_command(self.command)  # why MPS cannot run here; None: it can
-        self._daemons = {g.index: MpsDaemon(g.index, g.uuid, self.command, settings.mps_root) for g in gpus}
+        daemon_command = [*self.command, "-p", "3"] if v3 else self.command
+        self._daemons = {g.index: MpsDaemon(g.index, g.uuid, daemon_command, settings.mps_root) for g in gpus}
+        self._binder = NamespaceBinder(self.command) if v3 else None
         self._lock = threading.Lock()
         self._idle_since: dict[int, float] = {}
         self._grants_file = settings.mps_root / "grants.json"
@@ -130,6 +122,8 @@ class MpsSharing:
         self.users_of: Callable[[str, str], frozenset[int]] | None = None
         self.on_mixed_users: Callable[[int, list[str], list[int]], None] | None = None
         self.mixed_users: dict[int, list[int]] = {}  # GPU -> the user ids of its MPS clients
+        # Set by the node (MPS v3): (pod uid, container) -> its cgroup directory (None: not yet).
+        self.cgroup_of: Callable[[str, str], Path | None] | None = None
 
     # Allocate -------------------------------------------------------------------------------
     def mode(self) -> SharingMode:
@@ -147,10 +141,11 @@ class MpsSharing:
                 mps_ceiling(spec, self._fixed_on(item.gpus[0].index, assignment)),
                 spec.memory_quota_mib,
             )
-        grant = self._grant(item.gpus[0], ceiling, memory)
-        if grant is not None and assignment is not None:
+        key = None if assignment is None else _key(assignment.pod_uid, assignment.container)
+        grant = self._grant(item.gpus[0], ceiling, memory, key)
+        if grant is not None and key is not None:
             with self._lock:
-                self._grants[_key(assignment.pod_uid, assignment.container)] = grant
+                self._grants[key] = grant
                 self._save()
         return grant
 
@@ -160,10 +155,13 @@ class MpsSharing:
         grants.json, whose entries are per ledger container."""
         if self.mode() is SharingMode.FREEZER:
             return None
-        return self._grant(gpu, ceiling, memory_mib)
+        return self._grant(gpu, ceiling, memory_mib, None)
 
-    def _grant(self, gpu: GpuInfo, ceiling: int, memory_mib: int | None) -> MpsGrant | None:
+    def _grant(self, gpu: GpuInfo, ceiling: int, memory_mib: int | None, key: str | None) -> MpsGrant | None:
         reason = self.why_not(gpu.index)
+        if reason is None and self._binder is not None and key is None and not self._advisory_allowed():
+            # no ledger container to make a namespace for: its limits would be the env's alone
+            reason = "no MPS v3 namespace for a share without a ledger container (a DRA claim's)"
         if reason is not None:
             self._report(f"GPU {gpu.index}: no MPS ({reason}); its shares are held by the freezer")
             return None
@@ -182,14 +180,45 @@ class MpsSharing:
                 daemon.error or daemon.state,
             )
             return None
+        partition = partition_for(ceiling, sm_count_for(gpu.model), throughput_curve_for(gpu.model))
+        namespace = None
+        if self._binder is not None and key is not None:
+            with self._lock:
+                why = self._binder.prepare(daemon.pipe_dir, daemon.status().pid) or self._binder.create(
+                    key, daemon.pipe_dir, partition.percent, memory_mib, self._cgroup(key)
+                )
+            if why is not None:
+                log.error(
+                    "GPU %d: MPS v3 namespace refused (%s); this share is held by the freezer", gpu.index, why
+                )
+                return None
+            namespace = namespace_name(*key.split("/", 1))
         return MpsGrant(
             gpu.index,
-            partition_for(ceiling, sm_count_for(gpu.model), throughput_curve_for(gpu.model)),
+            partition,
             memory_mib,
             daemon.pipe_dir,
             daemon.log_dir,
-            advisory=self.advisory_reason is not None,
+            advisory=self.advisory_reason is not None or (self._binder is not None and namespace is None),
+            namespace=namespace,
         )
+
+    def _cgroup(self, key: str) -> Path | None:
+        pod_uid, _, container = key.partition("/")
+        return None if self.cgroup_of is None else self.cgroup_of(pod_uid, container)
+
+    def bind_pending(self) -> None:
+        """MPS v3: bind each share's namespace to its container's cgroup once that is known."""
+        if self._binder is None or self.cgroup_of is None:
+            return
+        with self._lock:
+            for key, grant in self._grants.items():
+                cgroup = self._cgroup(key) if grant.namespace is not None else None
+                if cgroup is None:
+                    continue
+                why = self._binder.bind(key, grant.pipe_dir, cgroup)
+                if why is not None:
+                    self._report(f"GPU {grant.gpu}: MPS v3 namespace of {key} not bound to {cgroup}: {why}")
 
     def why_not(self, gpu: int) -> str | None:
         """Why this GPU's shares cannot use MPS now (None: they can)."""
@@ -259,6 +288,7 @@ class MpsSharing:
                     self._report(f"GPU {index}: no MPS ({err})")
         if self._live is not None:
             self.forget(set(self._live()))
+        self.bind_pending()
         self.check_users()
 
     def check_users(self) -> None:
@@ -287,7 +317,9 @@ class MpsSharing:
         with self._lock:
             stale = [k for k in self._grants if tuple(k.split("/", 1)) not in keep]
             for k in stale:
-                del self._grants[k]
+                grant = self._grants.pop(k)
+                if self._binder is not None and grant.namespace is not None:
+                    self._binder.delete(k, grant.pipe_dir)
             if stale:
                 self._save()
 
@@ -302,6 +334,13 @@ class MpsSharing:
             return self._grants.get(_key(pod_uid, container))
 
     def gpus(self) -> list[GpuSharing]:
+        """Each GPU's actuator and why; the driver's MPS capability where it was probed."""
+        capability = self.capability
+        if capability is None:
+            return self._gpus_held()
+        return [replace(g, reason=f"{g.reason}; {capability.describe_gpu(g.gpu)}") for g in self._gpus_held()]
+
+    def _gpus_held(self) -> list[GpuSharing]:
         out = []
         for index, daemon in sorted(self._daemons.items()):
             reason = self.why_not(index)
@@ -316,7 +355,12 @@ class MpsSharing:
                     GpuSharing(index, "mps", "no share on it yet: its daemon starts at the first", None)
                 )
             else:
-                out.append(GpuSharing(index, "mps", f"control daemon {daemon.state}", daemon.status()))
+                v3 = (
+                    "; MPS v3: limits on the daemon's side per share cgroup (enforceable)"
+                    if self._binder
+                    else ""
+                )
+                out.append(GpuSharing(index, "mps", f"control daemon {daemon.state}{v3}", daemon.status()))
         return out
 
     def daemon_statuses(self) -> list[DaemonStatus]:
@@ -324,46 +368,15 @@ class MpsSharing:
 
     # Persistence ----------------------------------------------------------------------------
     def _load(self) -> dict[str, MpsGrant]:
-        try:
-            raw = json.loads(self._grants_file.read_text())
-            return {
-                k: MpsGrant(
-                    int(v["gpu"]),
-                    Partition(int(v["percent"]), _int_or_none(v.get("sms")), float(v["effective_percent"])),
-                    _int_or_none(v.get("memory_mib")),
-                    Path(v["pipe_dir"]),
-                    Path(v["log_dir"]),
-                    v.get("advisory", True) is not False,
-                )
-                for k, v in raw.items()
-            }
-        except FileNotFoundError:
-            return {}
-        except _UNREADABLE as err:
-            log.warning("ignoring unreadable MPS grants in %s: %s", self._grants_file, err)
-            return {}
+        grants, problem = load_grants(self._grants_file)
+        if problem is not None:
+            log.warning("ignoring unreadable MPS grants in %s: %s", self._grants_file, problem)
+        return grants
 
     def _save(self) -> None:
-        data = {
-            k: {
-                "gpu": g.gpu,
-                "percent": g.partition.percent,
-                "sms": g.partition.sms,
-                "effective_percent": g.partition.effective_percent,
-                "memory_mib": g.memory_mib,
-                "pipe_dir": str(g.pipe_dir),
-                "log_dir": str(g.log_dir),
-                "advisory": g.advisory,
-            }
-            for k, g in self._grants.items()
-        }
-        try:
-            self._grants_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._grants_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(self._grants_file)
-        except OSError as err:
-            self._report(f"cannot record MPS grants in {self._grants_file}: {err}")
+        problem = save_grants(self._grants_file, self._grants)
+        if problem is not None:
+            self._report(f"cannot record MPS grants in {self._grants_file}: {problem}")
 
     def _report(self, message: str) -> None:
         if message not in self._reported:
@@ -380,12 +393,6 @@ def mps_ceiling(spec: EnforcementSpec, fixed_others: int) -> int:
     if spec.policy is Policy.FIXED_SHARE:
         return ceiling
     return max(1, min(ceiling, 100 - fixed_others))
-
-
-def _int_or_none(value: object) -> int | None:
-    if value is None or type(value) is int:
-        return value
-    raise TypeError(f"{value!r} is not an integer or null")  # it would reach CUDA_MPS_* as is
 
 
 def _key(pod_uid: str, container: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from agent.clock import Clock, SystemClock
@@ -25,6 +26,7 @@ from agent.domain.specs import EnforcementSpec
 from agent.domain.turns import TurnSettings
 from agent.errors import VcudaError
 from agent.platform.cgroups.layout import UNIFIED
+from agent.platform.cgroups.paths import QosClass, pod_relpath
 from agent.platform.freezejournal import FreezeJournal, thaw_everything
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.platform.procfs import ProcFS
@@ -111,6 +113,7 @@ class EnforcementIntegration:
         self._procfs = procfs
         if sharing is not None:
             sharing.users_of = self._container_users
+            sharing.cgroup_of = self._container_cgroup
             sharing.on_mixed_users = self._mixed_users_event
         self.memory = MemoryIntegration(
             settings,
@@ -147,6 +150,25 @@ class EnforcementIntegration:
             except VcudaError:
                 continue  # gone meanwhile
         return frozenset(uids)
+
+    def _container_cgroup(self, pod_uid: str, container: str) -> Path | None:
+        """The v2 cgroup an MPS v3 namespace is bound to: the container's once it exists;
+        before (at Allocate), the pod's, where the kubelet will make it, so that a client
+        that initialises CUDA at once is covered (None: neither known, or no v2 hierarchy)."""
+        root = self._host.facts.layout.v2_root
+        if root is None:
+            return None
+        spec = next((s for s in self._kube.specs() if (s.pod_uid, s.container) == (pod_uid, container)), None)
+        if spec is not None and spec.container_id:
+            dirs = self._host.resolver.container_dirs(spec.pod_uid, spec.qos_class or None, spec.container_id)
+            if dirs is not None:
+                return dirs.scope
+        pod = self._kube.pods.get(pod_uid)
+        qos = spec.qos_class if spec is not None else (pod.qos_class if pod is not None else "")
+        try:
+            return root / pod_relpath(self._host.resolver.driver, pod_uid, QosClass(qos))
+        except ValueError:
+            return None  # QoS class not known yet
 
     def _mixed_users_event(self, gpu: int, keys: list[str], uids: list[int]) -> None:
         """A Warning Event on each pod of the GPU's MPS clients: a client of another uid waits."""

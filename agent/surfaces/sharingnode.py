@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from agent.control.mpssharing import MpsSharing
 from agent.domain.annotations import Policy
 from agent.domain.ledger import Assignment
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.platform.mpsdaemon import probe_command
+from agent.platform.mpsv3 import MpsCapability, detect
 from agent.settings import SharingMode, SharingSettings
 from agent.surfaces.kubenode import KubeIntegration
+
+log = logging.getLogger(__name__)
 
 
 def build_sharing(
@@ -33,8 +38,16 @@ def build_sharing(
         return settings.advisory_limits if said is None else said
 
     command = list(settings.mps_control) or backend.mps_control_command()
+    capability = mps_capability(command, gpus, wanted=mode() is not SharingMode.FREEZER)
     if kube is None:
-        return MpsSharing(settings, gpus=gpus, command=command, mode=mode, advisory_allowed=advisory_allowed)
+        return MpsSharing(
+            settings,
+            gpus=gpus,
+            command=command,
+            mode=mode,
+            advisory_allowed=advisory_allowed,
+            capability=capability,
+        )
 
     def shares_on(index: int) -> int:
         return sum(1 for holder in kube.ledger.usage(index).holders if not holder.whole)
@@ -59,4 +72,15 @@ def build_sharing(
         fixed_on=fixed_on,
         live=kube.ledger.keys,
         advisory_allowed=advisory_allowed,
+        capability=capability,
     )
+
+
+def mps_capability(command: list[str], gpus: Sequence[GpuInfo], *, wanted: bool) -> MpsCapability | None:
+    """MPS v3 and dmem on this node, probed once at start where MPS may be used (None: not
+    probed; a node config that turns MPS on later gets protocol 2's advisory limits)."""
+    if not wanted or probe_command(command) is not None:
+        return None
+    capability = detect(command, {g.index: g.pci_bus_id for g in gpus})
+    log.info("%s", capability.describe())
+    return capability

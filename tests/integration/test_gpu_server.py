@@ -75,10 +75,12 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def running_gpu_server(short_dir: Path) -> Iterator[GpuServerProcess]:
-    """`sim-gpu` serving SPEC in a short dir (unix socket paths are limited to 107 bytes)."""
+def running_gpu_server(short_dir: Path, *extra: str) -> Iterator[GpuServerProcess]:
+    """`sim-gpu` serving SPEC in a short dir (unix socket paths are limited to 107 bytes);
+    ``extra``: more sim-gpu options (--driver-mps-v3...)."""
     root = SimNodeDir(short_dir / "sim")
     cmd = sim_command("sim-gpu", "--simulate", SPEC, "--node-name", NODE, "--sim-state-dir", str(root.root))
+    cmd += list(extra)
     cmd += ["--sample-period", "0.1", "--sample-delay", "0.05", "--sample-jitter", "0"]
     cmd += ["--log-level", "WARNING"]
     proc = subprocess.Popen(cmd)
@@ -285,7 +287,13 @@ def test_a_malformed_request_gets_an_error_and_the_server_keeps_serving(
         }
         conn.send({"op": "fly"})
         assert conn.receive(5.0) == {"ok": False, "error": "unknown op 'fly'"}
-        assert conn.call({"op": "node"}) == {"ok": True, "node_name": NODE, "gpus": 2, "memory_limits": False}
+        assert conn.call({"op": "node"}) == {
+            "ok": True,
+            "node_name": NODE,
+            "gpus": 2,
+            "memory_limits": False,
+            "mps_v3": False,
+        }
     finally:
         conn.close()
 

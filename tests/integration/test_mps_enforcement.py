@@ -115,6 +115,32 @@ def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer
         )
 
 
+def test_on_an_mps_v3_driver_the_tenant_that_lifts_its_env_stays_at_its_grant(short_dir: Path) -> None:
+    # The same cheat on a driver whose daemon binds limits to cgroups (r615+/R620, simulated;
+    # unverified on hardware): the agent detects it, uses MPS without being asked, and the
+    # tenant's own 100 % does not raise the namespace the agent bound to its pod's cgroup.
+    real_layout()
+    args = ("--device-guard", "off", "--no-ioctl-tracing", "--sharing-mode", "mps")
+    with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=args) as node:
+        cheat = node.run_pod("cheat", 10, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"})
+        fixed50 = node.run_pod("fixed50", 50)
+        fixed40 = node.run_pod("fixed40", 40)
+        assert node.responses["cheat"].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
+        gpu = status(node)["gpus"][0]
+        assert gpu["sharing"] == "mps" and "(enforceable)" in gpu["sharingReason"], gpu
+        assert "MPS v3 namespaces: yes" in gpu["sharingReason"]
+        assert "unverified on hardware" in gpu["sharingReason"]
+        time.sleep(SETTLE_S)
+        used = node.utilization([cheat, fixed50, fixed40], MEASURE_S)
+        assert used[0] == pytest.approx(9.1, abs=2), used  # 12 of 132 SMs: whole TPCs within 10 %
+        assert used[1] >= 50 - 3 and used[2] >= 40 - 3, used
+        assert re.search(
+            r'^vcuda_mps_limits_advisory\{gpu="0",node="sim-node",uuid="GPU-[^"]+"\} 0\.0$',
+            node.metrics(),
+            re.M,
+        )
+
+
 def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_node: EnforcedNode) -> None:
     # MPS runs one server per user id: a client of another uid waits until the running
     # server's clients are done. The agent sees the uids of each share's processes and says so.

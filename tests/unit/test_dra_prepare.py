@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agent.control.draclaims import PreparedClaims
-from agent.control.mpssharing import MpsGrant
+from agent.control.mpsgrants import MpsGrant
 from agent.domain.dra import ClaimError, ClaimRef, PreparedClaim, PreparedDevice
 from agent.domain.health import HealthBoard
 from agent.errors import GpuUnhealthyError, KubeError, NoSuchGpuError, PlatformError

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.control.mpssharing import MpsGrant
+from agent.control.mpsgrants import MpsGrant
 from agent.domain.requests import ResolvedRequest
 from agent.errors import InvalidSpecError
 from agent.platform.driverfiles import DriverFiles

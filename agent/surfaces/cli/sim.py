@@ -18,7 +18,7 @@ from agent.platform.gpu.mpspartition import sm_count_for, throughput_curve_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.inventory import sim_gpus
-from agent.platform.gpu.sim.mpsdaemon import DEFAULT_PIPE_DIR, send_commands, serve_mps
+from agent.platform.gpu.sim.mpsdaemon import DEFAULT_PIPE_DIR, protocol_of, send_commands, serve_mps, v3_help
 from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
 from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
 from agent.platform.gpu.sim.server import GpuServer
@@ -80,6 +80,7 @@ def gpu_main(args: argparse.Namespace) -> int:
         configs,
         SimNodeDir(Path(args.sim_state_dir)),
         memory_limits=args.driver_memory_limits,
+        mps_v3=args.driver_mps_v3,
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: server.stop())
@@ -167,12 +168,32 @@ def mps_main(args: argparse.Namespace) -> int:
     quit or SIGTERM/SIGINT. Without: the command client, sending the commands on stdin
     (set_default_active_thread_percentage 30, get_server_list, quit...) to the daemon of
     CUDA_MPS_PIPE_DIRECTORY and printing what each answers."""
+    try:
+        protocol = protocol_of(args.protocol, os.environ)
+    except VcudaError as err:
+        log.error("%s", err)
+        return 2
+    if args.help:
+        if protocol != 3:
+            print(mps_main.__doc__)
+            return 0
+        try:
+            text = v3_help(Path(args.sim_state_dir))
+        except (VcudaError, OSError) as err:
+            log.error("cannot reach the simulated GPU server: %s", err)
+            return 1
+        if text is None:  # as an older nvidia-cuda-mps-control answers an option it lacks
+            print("sim-mps-control: protocol 3 is not supported by this driver", file=sys.stderr)
+            return 2
+        print(text)
+        return 0
     if args.background:
         log.error("-d (background) is not supported by the stand-in: run it with -f, as the agent does")
         return 2
     if not args.foreground:
         pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR)
-        lines = [line.strip() for line in sys.stdin if line.strip()]
+        # MPS v3's module-verb form takes one command as arguments; else commands on stdin
+        lines = [" ".join(args.words)] if args.words else [line.strip() for line in sys.stdin if line.strip()]
         try:
             replies = send_commands(pipe, lines)
         except OSError as err:
@@ -183,7 +204,7 @@ def mps_main(args: argparse.Namespace) -> int:
                 print(reply)
         return 1 if any(r.startswith("Error") for r in replies) else 0
     try:
-        return serve_mps(Path(args.sim_state_dir), os.environ)
+        return serve_mps(Path(args.sim_state_dir), os.environ, protocol)
     except (VcudaError, OSError) as err:
         log.error("cannot serve MPS: %s", err)
         return 1
@@ -262,6 +283,12 @@ def add_parsers(
         action="store_true",
         help="the driver limits GPU memory per cgroup (nvmlDeviceSetMemoryLimits_v1, R615+; "
         "default: an older driver without)",
+    )
+    p.add_argument(
+        "--driver-mps-v3",
+        action="store_true",
+        help="the driver is r615+/R620: its MPS control daemon speaks protocol 3, namespaces bound to "
+        "cgroups (default: an older driver without)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the samples' jitter")
     p.add_argument(
@@ -346,9 +373,15 @@ def add_parsers(
         parents=[common],
         help="a stand-in for nvidia-cuda-mps-control on a simulated node",
         description=mps_main.__doc__,
+        add_help=False,  # -h is the daemon's own (with -p 3: the v3 modules, where the driver has them)
     )
+    p.add_argument("-h", "--help", action="store_true", help="print the usage (-p 3 -h: the v3 modules)")
+    p.add_argument("-p", "--protocol", type=int, choices=(2, 3), help="MPS protocol (3: MPS v3, r615+)")
     p.add_argument("-f", dest="foreground", action="store_true", help="run the daemon in the foreground")
     p.add_argument("-d", dest="background", action="store_true", help="background mode: not supported")
+    p.add_argument(
+        "words", nargs=argparse.REMAINDER, help="one command in MPS v3's module-verb form (else: stdin)"
+    )
     add_sim_state_dir(p)
     p.set_defaults(func=mps_main)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.control.mpssharing import MpsGrant
+from agent.control.mpsgrants import MpsGrant
 from agent.domain.requests import ResolvedRequest
 from agent.platform.driverfiles import DriverFiles
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb

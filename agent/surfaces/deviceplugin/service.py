@@ -10,7 +10,8 @@ from typing import NoReturn
 import grpc
 
 from agent.control.allocations import Allocations
-from agent.control.mpssharing import MpsGrant, MpsSharing
+from agent.control.mpsgrants import MpsGrant
+from agent.control.mpssharing import MpsSharing
 from agent.control.recovery import LedgerRecovery
 from agent.domain.health import HealthBoard
 from agent.domain.ledger import Assignment

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent.control.draclaims import PreparedClaims
-from agent.control.mpssharing import MpsGrant
+from agent.control.mpsgrants import MpsGrant
 from agent.domain.dra import (
     CDI_KIND,
     DRIVER,

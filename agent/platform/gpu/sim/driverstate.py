@@ -31,9 +31,14 @@ class MpsServer:
 
 
 class DriverState:
-    def __init__(self, engines: Sequence[GpuEngine], *, memory_limits: bool, proc_root: Path) -> None:
+    def __init__(
+        self, engines: Sequence[GpuEngine], *, memory_limits: bool, proc_root: Path, mps_v3: bool = False
+    ) -> None:
+        """``mps_v3``: the driver is r615+/R620, its MPS control daemon speaks protocol 3
+        (namespaces bound to cgroups: :mod:`.mpsnamespaces`)."""
         self._engines = engines
         self.memory_limits = memory_limits
+        self.mps_v3 = mps_v3
         self._proc_root = proc_root
         self._v2_root = _v2_root()
         self._mps: dict[int, MpsServer] = {}
@@ -54,6 +59,11 @@ class DriverState:
             raise RequestError(f"GPU {gpu} is lost (fell off the bus)")
         if gpu in self._mps:
             raise RequestError(f"GPU {gpu} already has an MPS server (pid {self._mps[gpu].pid})")
+        protocol = request.get("protocol", 2)
+        if protocol not in (2, 3) or isinstance(protocol, bool):
+            raise RequestError(f"mps_attach: protocol must be 2 or 3, got {protocol!r}")
+        if protocol == 3 and not self.mps_v3:
+            raise RequestError("MPS protocol 3 needs an r615+ driver (start sim-gpu with --driver-mps-v3)")
         if any(s.conn == conn for s in self._mps.values()):
             raise RequestError("this connection is already an MPS server")
         others = [c.pid for c in engine.contexts]
@@ -62,8 +72,10 @@ class DriverState:
                 f"GPU {gpu} cannot go to EXCLUSIVE_PROCESS mode: processes {others} hold contexts on it"
             )
         engine.attach_mps_server(pid, now)
-        self._mps[gpu] = MpsServer(pid, pipe, conn, MpsControl(pid))
-        log.info("GPU %d: MPS server pid %d attached (pipe directory %s)", gpu, pid, pipe)
+        self._mps[gpu] = MpsServer(pid, pipe, conn, MpsControl(pid, protocol))
+        log.info(
+            "GPU %d: MPS server pid %d attached (pipe directory %s, protocol %d)", gpu, pid, pipe, protocol
+        )
         return gpu
 
     def detach(self, conn: int, now: float) -> tuple[int, list[Context]] | None:
@@ -99,8 +111,8 @@ class DriverState:
         self, gpu: int, pid: int, uid: int, percentage: float | None, pinned: int | None
     ) -> ClientLimits | None:
         """A client of ``gpu``'s daemon starts: its limits, or None while it must wait (a
-        server of another user id has clients)."""
-        return self._mps[gpu].control.admit(pid, uid, percentage, pinned)
+        server of another user id has clients). Its cgroup routes it on protocol 3."""
+        return self._mps[gpu].control.admit(pid, uid, percentage, pinned, self.cgroup_of(pid))
 
     def mps_release(self, gpu: int, pid: int) -> None:
         server = self._mps.get(gpu)
@@ -111,13 +123,14 @@ class DriverState:
         server = self._mps.get(gpu)
         return server is None or server.control.may_admit(uid)
 
-    def mps_command(self, conn: int, line: str) -> tuple[int, str, bool]:
-        """A control command the daemon on ``conn`` received: (GPU, reply, quit asked)."""
+    def mps_command(self, conn: int, line: str, owner: bool = True) -> tuple[int, str, bool]:
+        """A control command the daemon on ``conn`` received (``owner``: from a peer of the
+        daemon's own uid): (GPU, reply, quit asked)."""
         gpu = next((g for g, s in self._mps.items() if s.conn == conn), None)
         if gpu is None:
             raise RequestError("mps_command: this connection is not an MPS control daemon")
         control = self._mps[gpu].control
-        reply = control.command(line)
+        reply = control.command(line, owner=owner)
         return gpu, reply, control.quit_requested
 
     # Memory limits --------------------------------------------------------------------------

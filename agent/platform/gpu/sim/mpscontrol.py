@@ -15,7 +15,11 @@ the defaults, the servers (one per user id at a time), their clients, and the co
   server's clients are done, then a server for its uid starts (the waiting clients of one
   uid join it together).
 - **Anyone who reaches the control socket commands the daemon** (NVIDIA k8s-device-plugin
-  issue #1494): nothing here checks who sends a command.
+  issue #1494): on protocol 2 nothing here checks who sends a command.
+- **Protocol 3** (``-p 3``, r615+/R620; :mod:`.mpsnamespaces`): namespaces bound to
+  cgroups give a client its limits by the cgroup it runs in; its environment only lowers
+  them. Commands that change settings are refused to a peer that is not the daemon's owner
+  (an ASSUMPTION, see that module).
 
 The daemon's own pid stands for its server's (one server runs at a time). Replies are what
 the command prints: values for ``get_*``, nothing for a ``set_*`` that worked, a line
@@ -28,6 +32,12 @@ import re
 from dataclasses import dataclass, field
 
 from agent.platform.gpu.mpspartition import parse_percentage
+from agent.platform.gpu.sim.mpsnamespaces import (
+    ADMIN_VERBS,
+    NamespaceError,
+    Namespaces,
+    parse_namespace_command,
+)
 
 DEFAULT_PERCENTAGE = 100.0
 _SIZE = re.compile(r"^(\d+)([KMGT]?)B?$", re.IGNORECASE)
@@ -58,8 +68,10 @@ class ClientLimits:
 class MpsControl:
     """One GPU's control daemon state (see the module docstring). Not thread-safe."""
 
-    def __init__(self, daemon_pid: int) -> None:
+    def __init__(self, daemon_pid: int, protocol: int = 2) -> None:
         self.daemon_pid = daemon_pid
+        self.protocol = protocol
+        self.namespaces = Namespaces()  # protocol 3 only
         self.default_percentage = DEFAULT_PERCENTAGE
         self.default_pinned: dict[int, int] = {}
         self.server: Server | None = None
@@ -68,9 +80,10 @@ class MpsControl:
 
     # Clients --------------------------------------------------------------------------------
     def admit(
-        self, pid: int, uid: int, env_percentage: float | None, env_pinned: int | None
+        self, pid: int, uid: int, env_percentage: float | None, env_pinned: int | None, cgroup: str = ""
     ) -> ClientLimits | None:
-        """A client starts: its limits, or None while it waits for another uid's server."""
+        """A client starts: its limits, or None while it waits for another uid's server
+        (``cgroup``: its cgroup v2 directory, which routes it to a namespace on protocol 3)."""
         server = self.server
         if server is not None and server.uid != uid:
             if server.clients or any(u == server.uid for u in self.waiting.values()):
@@ -81,10 +94,15 @@ class MpsControl:
             server = self._start_server(uid)
         self.waiting.pop(pid, None)
         server.clients.add(pid)
-        percentage = server.percentage
+        percentage, pinned = server.percentage, server.pinned.get(0)
+        if self.protocol == 3:  # the daemon's side: nothing the client sets raises it
+            namespace = self.namespaces.route(cgroup)
+            if namespace.percentage is not None:
+                percentage = namespace.percentage
+            if namespace.pinned is not None:
+                pinned = namespace.pinned
         if env_percentage is not None:
             percentage = min(percentage, env_percentage)
-        pinned = server.pinned.get(0)
         if env_pinned is not None:
             pinned = env_pinned if pinned is None else min(pinned, env_pinned)
         return ClientLimits(percentage, pinned)
@@ -105,12 +123,22 @@ class MpsControl:
         return self.server
 
     # Commands -------------------------------------------------------------------------------
-    def command(self, line: str) -> str:
-        """Run one command line; what nvidia-cuda-mps-control prints for it."""
+    def command(self, line: str, *, owner: bool = True) -> str:
+        """Run one command line; what nvidia-cuda-mps-control prints for it (``owner``:
+        the sender runs as the daemon's own uid)."""
         words = line.split()
         if not words:
             return ""
         name, args = words[0], words[1:]
+        if self.protocol == 3:
+            refused = self._v3_refusal(name, args, owner)
+            if refused is not None:
+                return f"Error: {refused}"
+            if name == "namespace":
+                try:
+                    return self.namespaces.run(parse_namespace_command(args), _percentage, parse_size)
+                except (NamespaceError, CommandError) as err:
+                    return f"Error: {err}"
         handler = _COMMANDS.get(name)
         if handler is None:
             return f"Error: unknown command {name!r}"
@@ -118,6 +146,16 @@ class MpsControl:
             return handler(self, args)
         except CommandError as err:
             return f"Error: {err}"
+
+    @staticmethod
+    def _v3_refusal(name: str, args: list[str], owner: bool) -> str | None:
+        """Why a protocol-3 daemon refuses this command from this peer (None: it runs it)."""
+        if owner:
+            return None
+        changes = (name == "namespace" and bool(args) and args[0] in ADMIN_VERBS) or (
+            name != "namespace" and not name.startswith("get_")
+        )
+        return "permission denied: only the daemon's owner changes its settings" if changes else None
 
     def _server_arg(self, args: list[str], count: int) -> Server:
         """The server the first of ``count`` arguments names."""

@@ -16,6 +16,11 @@ and an empty line. :func:`send_commands` is that command-line client (``sim-mps-
 without ``-f``: commands on stdin). It runs until ``quit``, SIGTERM/SIGINT, or until the GPU
 server goes away (exit 1).
 
+With ``-p 3`` (protocol 3, an r615+ driver: ``sim-gpu --driver-mps-v3``) it speaks MPS v3's
+namespace commands (:mod:`.mpsnamespaces`) and tells the GPU server whether each command's
+sender (SO_PEERCRED) runs as the daemon's own uid; ``-p 3 -h`` lists the server and
+namespace modules where the driver has them, the check NVIDIA documents.
+
 Not modelled: the server as a process of its own (the daemon's pid stands for the
 server's), /dev/shm, the real daemon's wire protocol (private; this one is lines of text).
 """
@@ -28,6 +33,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,7 +56,35 @@ class _Stop(Exception):
     pass
 
 
-def serve_mps(state_dir: Path, environ: Mapping[str, str]) -> int:
+V3_HELP = """Usage: sim-mps-control -p 3 [-f] <module> <verb> [--key=value ...]
+Modules:
+  server      the MPS servers (list)
+  namespace   create, delete, list, set, get, bind (a namespace bound to a cgroup)
+(the stand-in's spelling of the MPS v3 interface; see agent/platform/gpu/sim/mpsnamespaces.py)"""
+
+
+def protocol_of(flag: int | None, environ: Mapping[str, str]) -> int:
+    """The protocol asked for: CUDA_MPS_PROTOCOL_VERSION wins over ``-p``, as documented."""
+    said = environ.get("CUDA_MPS_PROTOCOL_VERSION", "").strip()
+    if said:
+        if said not in ("2", "3"):
+            raise SimulationError(f"CUDA_MPS_PROTOCOL_VERSION={said!r}: expected 2 or 3")
+        return int(said)
+    return flag or 2
+
+
+def v3_help(state_dir: Path) -> str | None:
+    """What ``-p 3 -h`` prints on this node (None: the driver has no protocol 3)."""
+    root = SimNodeDir(state_dir)
+    gpu = Connection(root.socket)
+    try:
+        info = gpu.call({"op": "node"})
+    finally:
+        gpu.close()
+    return V3_HELP if info.get("mps_v3") else None
+
+
+def serve_mps(state_dir: Path, environ: Mapping[str, str], protocol: int = 2) -> int:
     """Run the stand-in daemon until stopped; the exit status."""
     uuid = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     pipe = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR)
@@ -79,8 +113,11 @@ def serve_mps(state_dir: Path, environ: Mapping[str, str]) -> int:
 
         gpu = Connection(root.socket)
         try:
-            gpu.call({"op": "mps_attach", "gpu": index, "pipe": str(pipe)})
-            note(f"Starting control daemon using socket {control} for GPU {index} ({uuid})")
+            gpu.call({"op": "mps_attach", "gpu": index, "pipe": str(pipe), "protocol": protocol})
+            note(
+                f"Starting control daemon (protocol {protocol}) using socket {control} "
+                f"for GPU {index} ({uuid})"
+            )
             return _run(listener, gpu, note)
         finally:
             gpu.close()
@@ -116,6 +153,7 @@ def _run(listener: socket.socket, gpu: Connection, note: Callable[[str], None]) 
 def _serve_commands(conn: socket.socket, gpu: Connection, note: Callable[[str], None]) -> bool:
     """Answer one connection's command lines; whether ``quit`` was among them."""
     conn.settimeout(COMMAND_TIMEOUT_S)
+    owner = _peer_uid(conn) == os.getuid()
     data = b""
     with contextlib.suppress(OSError):  # a client that sends nothing, or goes, is dropped
         while len(data) <= MAX_COMMAND_BYTES and not data.endswith(b"\n\n"):
@@ -129,13 +167,21 @@ def _serve_commands(conn: socket.socket, gpu: Connection, note: Callable[[str], 
         if not line:
             continue
         note(f"Command: {line[:200]}")
-        reply = gpu.call({"op": "mps_command", "command": line[:1024]})
+        reply = gpu.call({"op": "mps_command", "command": line[:1024], "owner": owner})
         quit_asked = quit_asked or bool(reply.get("quit"))
         with contextlib.suppress(OSError):
             conn.sendall((str(reply.get("reply", "")) + "\n\n").encode())
         if quit_asked:
             break
     return quit_asked
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return int(struct.unpack("3i", creds)[1])
 
 
 def send_commands(pipe: Path, lines: list[str], *, timeout_s: float = COMMAND_TIMEOUT_S) -> list[str]:

@@ -82,9 +82,11 @@ class GpuServer:
         root: SimNodeDir,
         *,
         memory_limits: bool = False,
+        mps_v3: bool = False,
     ) -> None:
         """``memory_limits``: the driver has per-cgroup memory limits (R615+); without, the
-        ``memlimit`` op fails as nvmlDeviceSetMemoryLimits_v1 does on an older driver."""
+        ``memlimit`` op fails as nvmlDeviceSetMemoryLimits_v1 does on an older driver.
+        ``mps_v3``: its MPS control daemon speaks protocol 3 (namespaces bound to cgroups)."""
         if len(configs) != len(node.gpus):
             raise SimulationError(f"{len(configs)} engine configs for {len(node.gpus)} GPUs")
         self.node = node
@@ -100,7 +102,9 @@ class GpuServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._listener: socket.socket | None = None
-        self.driver = DriverState(self.engines, memory_limits=memory_limits, proc_root=self._procfs.root)
+        self.driver = DriverState(
+            self.engines, memory_limits=memory_limits, proc_root=self._procfs.root, mps_v3=mps_v3
+        )
         self._hangs: dict[int, tuple[str, float]] = {}  # GPU -> (NVML call, monotonic end): ``hang``
 
     # Lifecycle ------------------------------------------------------------------------------
@@ -294,6 +298,7 @@ class GpuServer:
                 "node_name": self.node.node_name,
                 "gpus": len(self.engines),
                 "memory_limits": self.driver.limits_supported,
+                "mps_v3": self.driver.mps_v3,
             }
         raise RequestError(f"unknown op {op!r}")
 
@@ -316,7 +321,8 @@ class GpuServer:
         line = request.get("command")
         if not isinstance(line, str) or len(line) > 1024:
             raise RequestError("mps_command: command must be a line of text")
-        gpu, reply, quit_asked = self.driver.mps_command(peer.sock.fileno(), line)
+        owner = request.get("owner", True) is not False  # the daemon says who sent it
+        gpu, reply, quit_asked = self.driver.mps_command(peer.sock.fileno(), line, owner)
         self._admit_waiting(gpu)
         return {"ok": True, "reply": reply, "quit": quit_asked}
 

@@ -1,0 +1,244 @@
+"""MPS v3 (r615+/R620) on the simulated node: the agent detects it with the documented probe,
+runs the daemon with ``-p 3``, gives each share a namespace bound to its container's cgroup
+(real cgroups here), and so the cheat of the enforcement benchmark (a tenant with a 10-core
+grant that sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 beside a fixed 50 and a fixed 40)
+stays at its grant; a tenant that reaches the control socket cannot rebind itself. On a
+driver without v3 nothing changes. Unverified on hardware: the stand-in daemon models what
+NVIDIA documents plus the assumptions in agent/platform/gpu/sim/mpsnamespaces.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.control.mpssharing import MpsSharing
+from agent.domain.ledger import Assignment
+from agent.domain.requests import ResolvedRequest
+from agent.platform.cgroups.layout import UNIFIED
+from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.gpu.mpspartition import effective_share
+from agent.platform.gpu.sim.mpsdaemon import send_commands
+from agent.platform.mpsv3 import MpsCapability, detect, namespace_name, probe_v3
+from agent.settings import SharingMode, SharingSettings
+from tests.integration.cgroup_trees import CgroupTree, cgroup_tree
+from tests.integration.test_gpu_server import GpuServerProcess, running_gpu_server, sim_command
+
+SMS = 132
+TENANT_UID = 1000
+SYSTEM_PYTHON = str(Path(sys.base_exec_prefix) / "bin" / "python3")
+
+# Waits for a line on stdin (the test moves it into its cgroup first), opens a context with
+# the share its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE would say, prints the reply, holds it until
+# stdin closes.
+CLIENT = """
+import json, socket, sys
+sys.stdin.readline()
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+req = {"op": "open", "gpu": 0, "share": float(sys.argv[3]), "mps_pipe": sys.argv[2]}
+sock.sendall(json.dumps(req).encode() + b"\\n")
+print(sock.makefile().readline().strip(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def daemon_command(server: GpuServerProcess) -> list[str]:
+    return sim_command("sim-mps-control", "-f", "--sim-state-dir", str(server.root.root))
+
+
+def gpus_of(server: GpuServerProcess) -> tuple[GpuInfo, ...]:
+    return tuple(
+        GpuInfo(
+            g.index, g.uuid, "NVIDIA H100 80GB HBM3", 81559, g.index, f"00000000:{0x18 + g.index:02X}:00.0", 0
+        )
+        for g in server.root.read_node().gpus
+    )
+
+
+@pytest.fixture
+def v3_server(short_dir: Path) -> Iterator[GpuServerProcess]:
+    with running_gpu_server(short_dir, "--driver-mps-v3") as server:
+        yield server
+
+
+@pytest.fixture
+def tree() -> Iterator[CgroupTree]:
+    with cgroup_tree() as tree:
+        yield tree
+
+
+class Client:
+    def __init__(self, server: GpuServerProcess, pipe: Path, cgroup: Path, percent: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, str(server.root.socket), str(pipe), str(percent)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        (cgroup / "cgroup.procs").write_text(str(self.proc.pid))
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        self.reply = json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def test_the_probe_finds_v3_only_where_the_driver_has_it(
+    short_dir: Path, v3_server: GpuServerProcess
+) -> None:
+    ok, detail = probe_v3(daemon_command(v3_server))
+    assert ok, detail
+    with running_gpu_server(short_dir / "old") as old:
+        ok, detail = probe_v3(daemon_command(old))
+        assert not ok and "exited 2" in detail
+    cap = detect(daemon_command(v3_server), {0: "00000000:18:00.0"})
+    assert cap.v3 and "unverified on hardware" in cap.describe()
+
+
+def sharing_on(server: GpuServerProcess, root: Path, cgroups: dict[str, Path], v3: bool) -> MpsSharing:
+    capability = MpsCapability(v3, "test", {0: False})
+    sharing = MpsSharing(
+        SharingSettings(mode=SharingMode.MPS, mps_root=root, ready_timeout_s=20.0, advisory_limits=not v3),
+        gpus=gpus_of(server),
+        command=daemon_command(server),
+        mode=lambda: SharingMode.MPS,
+        capability=capability,
+    )
+    sharing.cgroup_of = lambda pod_uid, _container: cgroups.get(pod_uid)
+    return sharing
+
+
+def run_cheat(server: GpuServerProcess, tree: CgroupTree, root: Path, *, v3: bool) -> dict[str, float]:
+    """The benchmark's cheat: tenant (10 cores) at 100 % beside fixed 50 and fixed 40."""
+    cores = {"tenant": 10, "fixed50": 50, "fixed40": 40}
+    cgroups = {pod: tree.mkdir(UNIFIED, f"kubepods/pod-{pod}/ctr") for pod in cores}
+    sharing = sharing_on(server, root, cgroups, v3)
+    gpu = gpus_of(server)[0]
+    clients = []
+    try:
+        shares = {}
+        for pod, n in cores.items():
+            grant = sharing.grant_for(
+                ResolvedRequest(n, (gpu,)), Assignment(pod, "default", pod, "c", False, (0,), n, 1024)
+            )
+            assert grant is not None and grant.advisory is not v3
+            env_percent = 100.0 if pod == "tenant" else float(grant.partition.percent)
+            client = Client(server, grant.pipe_dir, cgroups[pod], env_percent)
+            clients.append(client)
+            assert client.reply["ok"], client.reply
+            shares[pod] = client.reply["share"]
+        assert sharing.advisory(0) is not v3  # vcuda_mps_limits_advisory
+        reason = sharing.gpus()[0].reason
+        if v3:
+            assert "(enforceable)" in reason and "MPS v3 namespaces: yes" in reason, reason
+            assert "unverified on hardware" in reason, reason
+        else:
+            assert "MPS v3 namespaces: no (test)" in reason, reason
+        return shares
+    finally:
+        for client in clients:
+            client.close()
+        for daemon in sharing._daemons.values():
+            daemon.stop()
+
+
+def test_on_v3_the_tenant_that_sets_100_percent_stays_at_its_grant(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    shares = run_cheat(v3_server, tree, short_dir / "mps", v3=True)
+    assert shares == pytest.approx(
+        {
+            "tenant": effective_share(10, SMS),
+            "fixed50": effective_share(50, SMS),
+            "fixed40": effective_share(40, SMS),
+        }
+    )
+
+
+def test_without_v3_the_same_tenant_lifts_itself_to_100_percent(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    shares = run_cheat(v3_server, tree, short_dir / "mps", v3=False)
+    assert shares["tenant"] == 1.0  # advisory: what the node's status and metrics say
+
+
+def test_a_tenant_reaching_the_control_socket_cannot_rebind_itself(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    cgroups = {"tenant": tree.mkdir(UNIFIED, "kubepods/pod-tenant/ctr")}
+    sharing = sharing_on(v3_server, short_dir / "mps", cgroups, v3=True)
+    try:
+        grant = sharing.grant_for(
+            ResolvedRequest(10, gpus_of(v3_server)[:1]),
+            Assignment("tenant", "default", "t", "c", False, (0,), 10, 0),
+        )
+        assert grant is not None and grant.namespace == namespace_name("tenant", "c")
+        for path in (short_dir, short_dir / "mps", *grant.pipe_dir.parents[:2], grant.pipe_dir):
+            os.chmod(path, 0o755)
+        os.chmod(grant.pipe_dir / "control", 0o777)  # every client must reach it
+        lift = f"namespace set --name={grant.namespace} --active-thread-percentage=100"
+        script = (
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1] + '/control')\n"
+            "s.sendall(sys.argv[2].encode() + b'\\n\\n'); s.shutdown(socket.SHUT_WR)\n"
+            "print(s.makefile().read().strip())\n"
+        )
+        done = subprocess.run(
+            [SYSTEM_PYTHON, "-c", script, str(grant.pipe_dir), lift],
+            user=TENANT_UID,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        assert done.stdout.strip().startswith("Error: permission denied"), (done.stdout, done.stderr)
+        assert send_commands(grant.pipe_dir, [f"namespace get --name={grant.namespace}"]) == [
+            f"10.0 0 {cgroups['tenant']}"
+        ]
+        client = Client(v3_server, grant.pipe_dir, cgroups["tenant"], 100.0)
+        assert client.reply["share"] == pytest.approx(effective_share(10, SMS))
+        client.close()
+    finally:
+        for daemon in sharing._daemons.values():
+            daemon.stop()
+
+
+def test_a_client_before_its_binding_gets_the_floor_and_the_next_tick_binds_it(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    cgroup = tree.mkdir(UNIFIED, "kubepods/pod-late/ctr")
+    known: dict[str, Path] = {}  # the agent has not seen the container's cgroup yet
+    sharing = sharing_on(v3_server, short_dir / "mps", known, v3=True)
+    try:
+        grant = sharing.grant_for(
+            ResolvedRequest(30, gpus_of(v3_server)[:1]),
+            Assignment("late", "default", "l", "c", False, (0,), 30, 0),
+        )
+        assert grant is not None and grant.namespace is not None and not grant.advisory
+        assert send_commands(grant.pipe_dir, ["namespace get --name=default"]) == ["1.0 0 -"]
+        early = Client(v3_server, grant.pipe_dir, cgroup, 100.0)
+        assert early.reply["share"] == pytest.approx(effective_share(1, SMS))  # never above a grant
+        known["late"] = cgroup
+        sharing.bind_pending()
+        later = Client(v3_server, grant.pipe_dir, cgroup, 100.0)
+        assert later.reply["share"] == pytest.approx(effective_share(grant.partition.percent, SMS))
+        early.close()
+        later.close()
+        sharing.forget(set())  # the container left the ledger: its namespace goes
+        assert send_commands(grant.pipe_dir, ["namespace list"]) == [""]
+    finally:
+        for daemon in sharing._daemons.values():
+            daemon.stop()
