@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.control.draclaims import PreparedClaims
-from agent.control.mpssharing import MpsGrant
+from agent.control.mpsgrants import MpsGrant
 from agent.domain.requests import ResolvedRequest
 from agent.platform.driverfiles import discover_driver_files
 from agent.platform.gpu.inventory import GpuInfo
