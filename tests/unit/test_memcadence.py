@@ -11,9 +11,10 @@ from agent.domain.memcadence import CadenceSettings, CheckCadence, Usage
 from agent.domain.memquota import MIB
 
 QUOTA = 1024 * MIB
+NEAR = CadenceSettings().near_s
 
 
-def grower(step_mib: int, every_s: float, start_s: float, near_s: float = 0.02) -> tuple[float, bool]:
+def grower(step_mib: int, every_s: float, start_s: float, near_s: float = 0.01) -> tuple[float, bool]:
     """Run the cadence against a container that held nothing for a second, then holds
     ``step_mib`` more every ``every_s`` from ``start_s`` (a check at time t sees the steps made
     up to t), until a check sees it over the quota. Returns (what that check saw, in percent
@@ -69,7 +70,7 @@ def test_a_still_container_near_its_quota_keeps_the_base_period() -> None:
         delays.append(cadence.after_check(now, {"k": Usage(1000 * MIB, QUOTA)}))
         now += delays[-1]
     # Seen first at 1000 MiB (new: its rate is unknown): fast for the hold, then base.
-    assert delays[0] == 0.02
+    assert delays[0] == NEAR
     assert all(d == 0.2 for d in delays[-5:])
     assert cadence.fast() == []
 
@@ -87,15 +88,15 @@ def test_heading_for_the_quota_at_its_rate_is_near_before_the_level_is() -> None
     cadence.after_check(-2.0, {"k": Usage(100 * MIB, QUOTA)})
     assert cadence.after_check(0.0, {"k": Usage(100 * MIB, QUOTA)}) == 0.2
     # 200 MiB in 0.2 s: at 300 MiB (29 % of the quota) it would be over within 0.8 s.
-    assert cadence.after_check(0.2, {"k": Usage(300 * MIB, QUOTA)}) == 0.02
+    assert cadence.after_check(0.2, {"k": Usage(300 * MIB, QUOTA)}) == NEAR
     assert cadence.fast() == ["k"]
 
 
 def test_the_short_period_lasts_its_hold_after_the_last_growth_then_ends() -> None:
     cadence = CheckCadence(CadenceSettings(hold_s=0.1))
     cadence.after_check(0.0, {"k": Usage(700 * MIB, QUOTA)})
-    assert cadence.after_check(0.2, {"k": Usage(800 * MIB, QUOTA)}) == 0.02
-    assert cadence.after_check(0.25, {"k": Usage(800 * MIB, QUOTA)}) == 0.02  # still within its hold
+    assert cadence.after_check(0.2, {"k": Usage(800 * MIB, QUOTA)}) == NEAR
+    assert cadence.after_check(0.25, {"k": Usage(800 * MIB, QUOTA)}) == NEAR  # still within its hold
     assert cadence.after_check(0.31, {"k": Usage(800 * MIB, QUOTA)}) == 0.2
 
 
@@ -107,7 +108,7 @@ def test_shrinking_over_quota_or_no_quota_is_not_near_and_gone_containers_are_fo
     assert cadence.after_check(2.2, {"a": Usage(800 * MIB, QUOTA), "b": Usage(2000 * MIB, QUOTA)}) == 0.2
     assert cadence.after_check(2.4, {"c": Usage(10 * MIB, 0)}) == 0.2
     # "a" was forgotten: seen again, it is new, and 900 MiB is near.
-    assert cadence.after_check(2.6, {"a": Usage(900 * MIB, QUOTA)}) == 0.02
+    assert cadence.after_check(2.6, {"a": Usage(900 * MIB, QUOTA)}) == NEAR
 
 
 def test_near_s_zero_or_not_shorter_than_the_base_keeps_the_old_fixed_period() -> None:
