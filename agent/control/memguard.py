@@ -1,8 +1,8 @@
 """GPU memory quotas (issue D): act on containers that hold more than their vcuda-memory.
 
 The caller measures each container's processes every ``memory_check_s`` (more often near a
-quota: :mod:`agent.domain.memcadence`) and calls :meth:`MemoryGuard.check`; the guard judges (``agent.domain.memquota.judge``) and acts by
-mode:
+quota: :mod:`agent.domain.memcadence`) and calls :meth:`MemoryGuard.check`; the guard
+judges (``agent.domain.memquota.judge``) and acts by mode:
 
 - ``kill``: SIGKILL the process that went over, after checking that its pid still belongs
   to the process that was measured (pid + start time; through a pidfd where the kernel
