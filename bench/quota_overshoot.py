@@ -17,11 +17,12 @@ default: 0.2 s, and 0.02 s while a container is near its quota and growing) and 
 (``--memory-check-near 0``: every 0.2 s, as before).
 
 Agent CPU per loop (its own process, utime + stime from /proc, over ``--cpu-seconds``):
-``steady``: four pods holding 900 of 1024 MiB, still; ``near``: one of them creeping by
-1 MiB every 50 ms (near its quota and growing, so checked at the short period throughout).
+``steady``: ``--cpu-pods`` pods (default 4) holding 900 of 1024 MiB, still; ``near``: one
+of them creeping by 1 MiB every 50 ms (near its quota and growing, so checked at the short
+period throughout). ``--gpus N`` simulates N GPUs (room for 10 still pods each).
 
     sudo .venv/bin/python bench/quota_overshoot.py [--trials 3] [--loops new,old]
-        [--rates issue,fast,slow] [--cpu-seconds 6]
+        [--rates issue,fast,slow] [--cpu-seconds 6] [--cpu-pods 4] [--gpus 1]
 
 Last line: ``RESULT quota_overshoot_pct=<new loop, issue rate, worst trial>
 quota_overshoot_old_pct=... fast_overshoot_pct=... fast_overshoot_old_pct=...
@@ -53,6 +54,8 @@ LOOPS = {"new": (), "old": ("--memory-check-near", "0")}
 AGENT_ARGS = ("--log-level", "WARNING", "--device-guard", "off", "--no-ioctl-tracing")
 # 1 ms of GPU every 20 ms: light, never over its 20 cores, so the freezer never holds it.
 WORKLOAD = ("--kernels", "1", "--kernel-ms", "1")
+# The CPU phase's pods: 10 ms every 200 ms (few requests to the GPU server, under 10 cores).
+QUIET = ("--kernels", "1", "--kernel-ms", "10")
 
 
 @dataclass(frozen=True)
@@ -103,21 +106,19 @@ def agent_cpu(node: EnforcedNode, seconds: float) -> float:
     return 100 * (cpu_ticks(pid) - before) / HZ / (time.monotonic() - start)
 
 
-def cpu_phase(node: EnforcedNode, loop: str, seconds: float) -> tuple[float, float]:
-    """(steady, near) agent CPU: four still pods at 900 MiB, then one of them creeping."""
+def cpu_phase(node: EnforcedNode, loop: str, seconds: float, pods: int) -> tuple[float, float]:
+    """(steady, near) agent CPU: ``pods`` still pods at 900 MiB, then one of them creeping."""
     creep_after = 2.0 + seconds + 1.0
+    names = [f"still-{loop}-{i}" for i in range(pods - 1)]
     boxes = [
-        node.run_pod(
-            f"still-{loop}-{i}", 20, memory_mib=QUOTA_MIB, busy=0.05, workload_mib=900, extra=WORKLOAD
-        )
-        for i in range(3)
+        node.run_pod(name, 10, memory_mib=QUOTA_MIB, busy=0.05, workload_mib=900, extra=QUIET)
+        for name in names
     ]
-    creeper_extra: tuple[str, ...] = (*WORKLOAD, "--grow-to-mib", "1020", "--grow-after", f"{creep_after:g}")
+    creeper_extra: tuple[str, ...] = (*QUIET, "--grow-to-mib", "1020", "--grow-after", f"{creep_after:g}")
     creeper_extra = (*creeper_extra, "--grow-step-mib", "1", "--grow-every", "0.05")
+    names.append(f"creep-{loop}")
     boxes.append(
-        node.run_pod(
-            f"creep-{loop}", 20, memory_mib=QUOTA_MIB, busy=0.05, workload_mib=900, extra=creeper_extra
-        )
+        node.run_pod(names[-1], 10, memory_mib=QUOTA_MIB, busy=0.05, workload_mib=900, extra=creeper_extra)
     )
     started = time.monotonic()
     time.sleep(2.0)  # past the short period each new container gets
@@ -128,8 +129,9 @@ def cpu_phase(node: EnforcedNode, loop: str, seconds: float) -> tuple[float, flo
         if box.proc.poll() is not None:
             raise SystemExit(f"{box.key} exited with {box.proc.returncode} while only creeping")
         box.proc.send_signal(signal.SIGTERM)
+    for box in boxes:
         box.proc.wait(timeout=20)
-    for name in [*(f"still-{loop}-{i}" for i in range(3)), f"creep-{loop}"]:
+    for name in names:
         node.node.delete_pod("default", name)
     return steady, near
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="issue,fast,slow")
     parser.add_argument("--grow-after", type=float, default=2.5)
     parser.add_argument("--cpu-seconds", type=float, default=6.0, help="0: no CPU phase")
+    parser.add_argument("--cpu-pods", type=int, default=4, help="pods in the CPU phase (at least 1)")
+    parser.add_argument("--gpus", type=int, default=1, help="simulated H100s on the node")
     args = parser.parse_args(argv)
     loops = [x for x in args.loops.split(",") if x]
     rates = [x for x in args.rates.split(",") if x]
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[tuple[str, str], float] = {}
     with (
         tempfile.TemporaryDirectory(prefix="vc-overshoot-") as tmp,
-        enforced_node(Path(tmp), agent_args=AGENT_ARGS) as node,
+        enforced_node(Path(tmp), f"{args.gpus}xH100-80GB", agent_args=AGENT_ARGS) as node,
     ):
         for n, loop in enumerate(loops):
             if n > 0 or LOOPS[loop]:
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 over[loop, rate] = worst
             if args.cpu_seconds > 0:
-                steady, near = cpu_phase(node, loop, args.cpu_seconds)
+                steady, near = cpu_phase(node, loop, args.cpu_seconds, max(1, args.cpu_pods))
                 print(f"loop {loop:3} agent CPU: steady {steady:.2f} %, near and growing {near:.2f} %")
                 cpu[loop, "steady"], cpu[loop, "near"] = steady, near
     keys = {"issue": "quota_overshoot", "fast": "fast_overshoot", "slow": "slow_overshoot"}

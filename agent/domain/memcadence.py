@@ -45,9 +45,10 @@ class CheckCadence:
         self._last: dict[str, tuple[float, int]] = {}  # key -> (time, used bytes) at the last check
         self._fast_until: dict[str, float] = {}  # key -> time its short period ends
 
-    def after_check(self, now: float, usage: Mapping[str, Usage]) -> float:
+    def after_check(self, now: float, usage: Mapping[str, Usage], *, partial: bool = False) -> float:
         """Record one check's use per container (with a quota); returns the seconds until the
-        next check."""
+        next check. ``partial``: the check covered only some containers (the others are
+        not forgotten)."""
         s = self.settings
         for key, use in usage.items():
             last = self._last.get(key)
@@ -57,7 +58,7 @@ class CheckCadence:
             self._last[key] = (now, use.used_bytes)
             if s.adaptive and self._near(use, use.used_bytes - before, now - since):
                 self._fast_until[key] = now + s.hold_s
-        for key in [k for k in self._last if k not in usage]:
+        for key in [k for k in self._last if k not in usage and not partial]:
             del self._last[key]
             self._fast_until.pop(key, None)
         for key in [k for k, until in self._fast_until.items() if until <= now]:

@@ -117,3 +117,18 @@ def test_near_s_zero_or_not_shorter_than_the_base_keeps_the_old_fixed_period() -
         assert not cadence.settings.adaptive
         cadence.after_check(0.0, {"k": Usage(0, QUOTA)})
         assert cadence.after_check(0.2, {"k": Usage(1000 * MIB, QUOTA)}) == 0.2
+
+
+def test_a_partial_check_does_not_forget_the_containers_it_did_not_cover() -> None:
+    cadence = CheckCadence(CadenceSettings())
+    cadence.after_check(0.0, {"still": Usage(500 * MIB, QUOTA), "near": Usage(700 * MIB, QUOTA)})
+    cadence.after_check(2.0, {"still": Usage(500 * MIB, QUOTA), "near": Usage(700 * MIB, QUOTA)})
+    assert (
+        cadence.after_check(2.2, {"still": Usage(500 * MIB, QUOTA), "near": Usage(800 * MIB, QUOTA)}) == NEAR
+    )
+    assert cadence.after_check(2.21, {"near": Usage(810 * MIB, QUOTA)}, partial=True) == NEAR
+    # "still" is remembered at 500 MiB: the next full check sees no growth, not a new container.
+    assert (
+        cadence.after_check(2.4, {"still": Usage(500 * MIB, QUOTA), "near": Usage(810 * MIB, QUOTA)}) == NEAR
+    )
+    assert cadence.fast() == ["near"]
