@@ -165,6 +165,9 @@ class EnforcementSettings:
     actuator: ActuatorMode = ActuatorMode.AUTO
     memory_mode: MemoryQuotaMode = MemoryQuotaMode.KILL
     memory_check_s: float = 0.2  # GPU memory is compared with the quotas this often
+    # ... and this often while a container is near its quota and growing (0: never faster;
+    # agent/domain/memcadence.py)
+    memory_check_near_s: float = 0.01
     state_dir: Path = DEFAULT_STATE_DIR  # freeze journal and status socket
     watchdog: bool = True  # a separate process thaws everything if the agent dies
 

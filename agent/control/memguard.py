@@ -1,8 +1,8 @@
 """GPU memory quotas (issue D): act on containers that hold more than their vcuda-memory.
 
-The caller measures each container's processes every ``memory_check_s`` and calls
-:meth:`MemoryGuard.check`; the guard judges (``agent.domain.memquota.judge``) and acts by
-mode:
+The caller measures each container's processes every ``memory_check_s`` (more often near a
+quota: :mod:`agent.domain.memcadence`) and calls :meth:`MemoryGuard.check`; the guard
+judges (``agent.domain.memquota.judge``) and acts by mode:
 
 - ``kill``: SIGKILL the process that went over, after checking that its pid still belongs
   to the process that was measured (pid + start time; through a pidfd where the kernel
@@ -175,8 +175,10 @@ class MemoryGuard:
         """Counters by action, for metrics: kills, audits, skipped."""
         return dict(self._counts)
 
-    def check(self, containers: Sequence[MemoryView]) -> list[GuardAction]:
-        """Judge every container once and act by mode; returns what was done."""
+    def check(self, containers: Sequence[MemoryView], *, partial: bool = False) -> list[GuardAction]:
+        """Judge every container once and act by mode; returns what was done. ``partial``:
+        ``containers`` are only some of the node's (a check near a quota), so the state of
+        those not given is kept."""
         done: list[GuardAction] = []
         seen_keys: set[str] = set()
         seen_cgroups: set[int] = set()
@@ -198,7 +200,8 @@ class MemoryGuard:
                 action = self._kill_culprit(view, verdict)
             if action is not None:
                 done.append(action)
-        self._forget(containers, seen_keys, seen_cgroups)
+        if not partial:
+            self._forget(containers, seen_keys, seen_cgroups)
         return done
 
     # -- modes --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """GPU memory quotas on the node: the driver limits each container's GPU memory where it
-can (per-cgroup NVML limits); every ``memory_check_s`` the GPU memory of each container
-(NVML per-process memory, sharpened by the ioctl tracer's allocation bytes) is compared
-with its vcuda-memory, and the memory guard acts by mode (kill, deny, audit)."""
+can (per-cgroup NVML limits); every ``memory_check_s`` (every ``memory_check_near_s`` while a
+container is near its quota and growing: :mod:`agent.domain.memcadence`) the GPU memory of
+each container (NVML per-process memory, sharpened by the ioctl tracer's allocation bytes)
+is compared with its vcuda-memory, and the memory guard acts by mode (kill, deny, audit)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from agent.clock import Clock, SystemClock
 from agent.control.driverlimits import DriverMemoryLimits
 from agent.control.memguard import MemoryGuard, MemoryView, open_deny_program, process_uses
+from agent.domain.memcadence import CadenceSettings, CheckCadence, Usage
 from agent.domain.memquota import AllocationTimes, format_mib
 from agent.domain.specs import EnforcementSpec
 from agent.errors import VcudaError
@@ -64,6 +66,10 @@ class MemoryIntegration:
         self.guard = MemoryGuard(mode=mode, procfs=procfs, clock=self._clock, events=kube.events, deny=deny)
         self.limits = DriverMemoryLimits(backend, self._cgroup_v2, unavailable=self._limits_unavailable(mode))
         self._times = AllocationTimes()
+        self.cadence = CheckCadence(
+            CadenceSettings(base_s=settings.memory_check_s, near_s=settings.memory_check_near_s)
+        )
+        self._next_check_s = settings.memory_check_s
         self._lock = threading.Lock()
         self._by_container: dict[str, int] = {}  # label -> MiB
         self._by_gpu: dict[int, int] = {}
@@ -71,8 +77,20 @@ class MemoryIntegration:
         self.read_errors = 0  # failed per-process memory reads (metrics: vcuda_nvml_errors_total)
 
     def run(self, stop: threading.Event) -> None:
-        while not self._clock.sleep(self.settings.memory_check_s, stop):
-            self.check_once()
+        base = self.settings.memory_check_s
+        delay, next_full = base, self._clock.monotonic() + base
+        while not self._clock.sleep(delay, stop):
+            started = self._clock.monotonic()
+            fast = self.cadence.fast()
+            if started >= next_full - 1e-3 or not fast:
+                next_full = started + base
+                self.check_once()
+            else:
+                # Between full checks, only the containers near their quota: a short-period
+                # check of every container cost 14 points of a core at 40 containers.
+                self.check_once(only=set(fast))
+            # The period is from check to check: a slow check does not stretch it.
+            delay = max(0.0, min(started + self._next_check_s, next_full) - self._clock.monotonic())
 
     def _limits_unavailable(self, mode: MemoryQuotaMode) -> str | None:
         if mode is MemoryQuotaMode.AUDIT:
@@ -87,14 +105,24 @@ class MemoryIntegration:
         )
         return None if dirs is None else dirs.scope
 
-    def check_once(self) -> None:
+    def check_once(self, only: set[str] | None = None) -> None:
+        """Check every container, or (``only``) just those labels, on the GPUs they use."""
         all_specs = self._kube.specs()
-        self.limits.apply(all_specs)
-        specs = {ContainerRef(s.pod_uid, s.container_id): s for s in all_specs if s.container_id}
+        if only is None:
+            self.limits.apply(all_specs)
+        specs = {
+            ContainerRef(s.pod_uid, s.container_id): s
+            for s in all_specs
+            if s.container_id and (only is None or s.label in only)
+        }
+        gpus = self._gpus
+        if only is not None and all(s.gpus for s in specs.values()):
+            used = {i for s in specs.values() for i in s.gpus}
+            gpus = tuple(g for g in self._gpus if g.index in used)
         traced, times = self._traced()
         grouped: dict[ContainerRef, list[ProcessMemory]] = {}
         by_gpu: dict[int, int] = {}
-        for gpu in self._gpus:
+        for gpu in gpus:
             try:
                 memory = self._backend.process_memory(gpu.index)
             except VcudaError as err:
@@ -121,8 +149,19 @@ class MemoryIntegration:
         ]
         usage = {v.key: sum(p.used_bytes for p in v.processes) // MIB for v in views}
         with self._lock:
-            self._by_container, self._by_gpu = usage, by_gpu
-        for action in self.guard.check(views):
+            if only is None:
+                self._by_container, self._by_gpu = usage, by_gpu
+            else:
+                self._by_container.update(usage)
+                self._by_gpu.update(by_gpu)
+        quotas = {
+            v.key: Usage(sum(p.used_bytes for p in v.processes), v.quota_mib * MIB)
+            for v in views
+            if v.quota_mib is not None
+        }
+        now = self._clock.monotonic()
+        self._next_check_s = self.cadence.after_check(now, quotas, partial=only is not None)
+        for action in self.guard.check(views, partial=only is not None):
             detail = f"{format_mib(action.used_bytes)} used of a {format_mib(action.quota_bytes)} quota"
             self._actions.record(action.key, action.action, detail)
 

@@ -77,6 +77,18 @@ def test_a_full_queue_takes_only_what_fits() -> None:
     assert ctx.pending == pytest.approx(0.0065, abs=TOL)
 
 
+def test_a_context_keeps_its_peak_memory_and_a_gone_one_is_remembered_with_it() -> None:
+    engine = make_engine()
+    ctx = engine.create_context(5, 50, 0.0)
+    engine.allocate(ctx, 512 * MIB)
+    engine.allocate(ctx, 256 * MIB)
+    engine.allocate(ctx, -512 * MIB)
+    (truth,) = engine.truth(0.1)
+    assert (truth.memory_bytes, truth.peak_memory_bytes) == (256 * MIB, 768 * MIB)
+    engine.destroy_context(ctx, 0.2)
+    assert list(engine.departed_peaks) == [(5, 50, 768 * MIB)]
+
+
 def test_a_destroyed_context_drops_its_queue_but_keeps_its_sample() -> None:
     engine = make_engine()
     ctx = engine.create_context(5, 50, 0.0)

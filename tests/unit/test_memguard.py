@@ -253,3 +253,18 @@ def test_process_uses_groups_by_pid_and_drops_exited(rig: Rig) -> None:
     assert uses == [ProcessUse(a, 150 * MIB, None, None)]
     traced = process_uses(memory, ProcFS(rig.proc.root), traced={100: 300 * MIB}, last_alloc_ns={100: 9})
     assert traced == [ProcessUse(a, 150 * MIB, 300 * MIB, 9)]
+
+
+def test_a_partial_check_keeps_the_state_of_containers_it_did_not_cover(rig: Rig) -> None:
+    """Checks near a quota cover only the containers near it: one not given is not gone."""
+    a, b = rig.proc.start(100, 5000), rig.proc.start(101, 5001)
+    deny = FakeDeny()
+    guard = rig.guard(MemoryQuotaMode.DENY, deny=deny)
+    guard.check([view(use(a, 1500), cgroup_id=77), view(use(b, 900), key="ns/near/main", cgroup_id=78)])
+    assert len(rig.events.pods) == 1
+    guard.check([view(use(b, 1000), key="ns/near/main", cgroup_id=78)], partial=True)
+    assert deny.removed == [] and set(deny.quotas) == {77, 78}
+    guard.check([view(use(a, 1500), cgroup_id=77), view(use(b, 1000), key="ns/near/main", cgroup_id=78)])
+    assert len(rig.events.pods) == 1  # the episode of ns/trainer/main goes on: reported once
+    guard.check([view(use(b, 1000), key="ns/near/main", cgroup_id=78)])  # a full check: a is gone
+    assert deny.removed == [77]

@@ -292,6 +292,28 @@ def test_with_memory_allocates_first_and_grows_after_its_delay() -> None:
     assert gpu_time(engine, 1.05, proc.pid) == pytest.approx(1.05, abs=TOL)  # still training
 
 
+def test_with_memory_grows_in_steps_on_a_fixed_schedule_and_stops_at_its_target() -> None:
+    """64 MiB every 20 ms from 0.5 s, even while the program idles in long host pauses
+    (train at busy 0.05: 40 ms steps then 760 ms of Sleep), up to 512 MiB."""
+    node = VirtualNode([EngineConfig.ideal()])
+    spec = PatternSpec("train", busy=0.05)
+    proc = node.spawn(
+        0,
+        with_memory(
+            pattern_program(spec, WorkloadStats()), 128, 512, 0.5, grow_step_mib=64, grow_every_s=0.02
+        ),
+    )
+    engine = node.engines[0]
+    node.run_until(0.49)
+    assert engine.memory() == {proc.pid: 128 * MIB}
+    node.run_until(0.505)
+    assert engine.memory() == {proc.pid: 192 * MIB}
+    node.run_until(0.545)
+    assert engine.memory() == {proc.pid: 320 * MIB}  # steps at 0.50, 0.52, 0.54
+    node.run_until(1.0)
+    assert engine.memory() == {proc.pid: 512 * MIB}  # 6 steps, then no further
+
+
 def test_with_memory_passes_the_program_through_unchanged() -> None:
     def program() -> Program:
         now = yield Sleep(0.5)

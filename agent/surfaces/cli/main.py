@@ -292,6 +292,21 @@ def _add_enforcement_options(p: argparse.ArgumentParser) -> None:
         "(BPF LSM kernels only; else kill), audit (report only)",
     )
     g.add_argument(
+        "--memory-check",
+        type=float,
+        default=defaults.memory_check_s,
+        metavar="S",
+        help=f"GPU memory is compared with the quotas every S seconds (default {defaults.memory_check_s})",
+    )
+    g.add_argument(
+        "--memory-check-near",
+        type=float,
+        default=defaults.memory_check_near_s,
+        metavar="S",
+        help="... and every S seconds while a container is near its quota and growing; 0: never faster "
+        f"(default {defaults.memory_check_near_s})",
+    )
+    g.add_argument(
         "--state-dir",
         default=str(defaults.state_dir),
         metavar="DIR",

@@ -147,6 +147,8 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
         ("--control-idle-hold", args.control_idle_hold, 0.0, 300.0),
         ("--control-cycle", args.control_cycle, 0.05, 10.0),
         ("--control-max-wait", args.control_max_wait, 0.5, 60.0),
+        ("--memory-check", args.memory_check, 0.01, 5.0),
+        ("--memory-check-near", args.memory_check_near, 0.0, 5.0),
     ):
         if not low <= value <= high:
             problems.append(f"{flag} {value}: must be between {low} and {high}")
@@ -166,6 +168,8 @@ def enforcement_from_args(args: argparse.Namespace, problems: list[str]) -> Enfo
         idle_hold_s=args.control_idle_hold,
         actuator=ActuatorMode(args.actuator),
         memory_mode=MemoryQuotaMode(args.memory_quota_mode),
+        memory_check_s=args.memory_check,
+        memory_check_near_s=args.memory_check_near,
         state_dir=Path(args.state_dir),
         watchdog=not args.no_watchdog,
     )

@@ -139,6 +139,8 @@ def workload_main(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         grow_to_mib=args.grow_to_mib,
         grow_after_s=args.grow_after,
+        grow_step_mib=args.grow_step_mib,
+        grow_every_s=args.grow_every,
         driver_ioctls=args.driver_ioctls,
         progress=Path(args.progress) if args.progress else None,
         latency_after_s=args.latency_after,
@@ -340,6 +342,16 @@ def add_parsers(
     )
     p.add_argument(
         "--grow-after", type=float, default=0.0, metavar="S", help="seconds before --grow-to-mib applies"
+    )
+    p.add_argument(
+        "--grow-step-mib",
+        type=int,
+        default=0,
+        metavar="N",
+        help="grow toward --grow-to-mib by N MiB every --grow-every seconds (default 0: at once)",
+    )
+    p.add_argument(
+        "--grow-every", type=float, default=0.0, metavar="S", help="seconds between --grow-step-mib steps"
     )
     p.add_argument(
         "--driver-ioctls",

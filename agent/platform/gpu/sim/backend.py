@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 SAMPLES_KEPT = 4096  # per GPU
 _Stamped = TypeVar("_Stamped", Sample, DeviceSample)
 START_TIMEOUT_S = 20.0
+MEMORY_FRESH_S = 0.005  # process_memory polls unless the last poll is this recent
 
 
 class SimulatedBackend:
@@ -224,7 +225,9 @@ class SimulatedBackend:
             return _tail(self._device[index], since_us)
 
     def process_memory(self, index: int) -> list[ProcessMemory]:
-        self._refresh(index)
+        # Fresher than the batched reads: NVML reads the driver's memory accounting at each
+        # call, and a quota check near the line must not see memory 50 ms old.
+        self._refresh(index, MEMORY_FRESH_S)
         self._stall(index, CALL_PROCESS_MEMORY)
         with self._lock:
             return list(self._memory[index])
@@ -288,13 +291,15 @@ class SimulatedBackend:
         os.close(self._lock_fd)
 
     # Reading -------------------------------------------------------------------------------
-    def _refresh(self, index: int) -> None:
+    def _refresh(self, index: int, max_age_s: float | None = None) -> None:
+        """Poll the server unless the last poll is younger than ``max_age_s`` (default: the
+        backend's ``refresh_s``)."""
         self._check_index(index)
         with self._lock:
             if index in self._lost:
                 raise GpuLostError(index, "fell off the bus (simulated)")
             now = self._clock.monotonic()
-            if now - self._polled < self._refresh_s:
+            if now - self._polled < (self._refresh_s if max_age_s is None else max_age_s):
                 return
             try:
                 gpus = self._poller.poll(self._since, self._device_since)

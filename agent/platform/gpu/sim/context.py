@@ -18,6 +18,7 @@ class ContextTruth:
     queued: int  # launches waiting or running
     pending_s: float  # GPU time still queued
     memory_bytes: int
+    peak_memory_bytes: int = 0  # the most it ever held (how far a quota was overshot)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Context:
     ran: float = 0.0
     period_ran: float = 0.0
     memory_bytes: int = 0
+    peak_memory_bytes: int = 0
 
     def consume(self, amount: float) -> None:
         """``amount`` seconds of this context's queue executed."""

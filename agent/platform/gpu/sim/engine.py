@@ -47,6 +47,7 @@ accounted for when someone asks, from the schedule functions.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 from collections.abc import Mapping
@@ -86,6 +87,9 @@ class GpuEngine:
         self.work_s = 0.0  # GPU time executed, summed over contexts (= busy_s without MPS)
         self.mps_server_pid: int | None = None  # an attached MPS server (control daemon)
         self.cgroup_limits: dict[str, int] = {}  # cgroup directory -> bytes (driver limits)
+        # (pid, start ticks, peak memory bytes) of contexts that are gone, newest last: how
+        # much a killed process held at most (bench/quota_overshoot.py)
+        self.departed_peaks: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=256)
 
     @property
     def mps(self) -> bool:
@@ -165,6 +169,7 @@ class GpuEngine:
         elif i < slices.last:
             slices.last -= 1
         ctx.groups.clear()
+        self.departed_peaks.append((ctx.pid, ctx.start_ticks, ctx.peak_memory_bytes))
         ctx.queued, ctx.pending, ctx.memory_bytes = 0, 0.0, 0
 
     def room(self, ctx: Context) -> int:
@@ -195,6 +200,7 @@ class GpuEngine:
                 cgroup_limits=self.cgroup_limits,
             )
         ctx.memory_bytes = max(0, ctx.memory_bytes + nbytes)
+        ctx.peak_memory_bytes = max(ctx.peak_memory_bytes, ctx.memory_bytes)
 
     # Time -----------------------------------------------------------------------------------
     def _serve(self, span: float, goals: Mapping[int, float] | None = None) -> Served:
@@ -329,7 +335,9 @@ class GpuEngine:
     def truth(self, now: float) -> list[ContextTruth]:
         self.advance(now)
         return [
-            ContextTruth(c.pid, c.start_ticks, c.ran, c.queued, c.pending, c.memory_bytes)
+            ContextTruth(
+                c.pid, c.start_ticks, c.ran, c.queued, c.pending, c.memory_bytes, c.peak_memory_bytes
+            )
             for c in self.contexts
         ]
 

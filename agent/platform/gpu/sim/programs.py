@@ -282,16 +282,33 @@ def _bursty(spec: PatternSpec, stats: WorkloadStats) -> Program:
 
 
 def with_memory(
-    program: Program, memory_mib: int, grow_to_mib: int | None = None, grow_after_s: float = 0.0
+    program: Program,
+    memory_mib: int,
+    grow_to_mib: int | None = None,
+    grow_after_s: float = 0.0,
+    *,
+    grow_step_mib: int = 0,
+    grow_every_s: float = 0.0,
 ) -> Program:
     """``program`` with ``memory_mib`` allocated first and, after ``grow_after_s``, grown to
-    ``grow_to_mib`` (at the first operation past that time)."""
+    ``grow_to_mib``: at once (``grow_step_mib`` 0) or by ``grow_step_mib`` every
+    ``grow_every_s`` on a fixed schedule. Steps happen between the program's operations; a
+    host pause (Sleep) is cut short at a step, so steps are on time while the program idles."""
     now = yield (Alloc(memory_mib) if memory_mib > 0 else Sleep(0.0))
+    held = memory_mib
     grow_at = None if grow_to_mib is None else now + grow_after_s
     op = next(program)
     while True:
         if grow_at is not None and grow_to_mib is not None and now >= grow_at:
-            grow_at = None
-            now = yield Alloc(grow_to_mib - memory_mib)
+            step = grow_to_mib - held if grow_step_mib <= 0 else min(grow_step_mib, grow_to_mib - held)
+            held += step
+            grow_at = grow_at + grow_every_s if grow_step_mib > 0 and held < grow_to_mib else None
+            now = yield Alloc(step)
+            continue
+        if isinstance(op, Sleep) and grow_at is not None and now + op.seconds > grow_at:
+            wait = max(0.0, grow_at - now)
+            now = yield Sleep(wait)
+            op = Sleep(op.seconds - wait)
+            continue
         now = yield op
         op = program.send(now)

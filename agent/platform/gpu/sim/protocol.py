@@ -25,7 +25,8 @@ drops its queued work, as a process exit does):
 - ``poll {since: {gpu: µs}}``: what NVML would report now: per GPU ``{index, lost,
   utilization, samples: [[pid, µs, sm]], memory: [[pid, bytes]]}``, plus ``hang: [call,
   seconds left]`` while an injected hang lasts.
-- ``truth``: exact GPU time per context and GPU (for tests, benches and the demo).
+- ``truth``: exact GPU time and memory (now and peak) per context and GPU, and the peak
+  memory of contexts that are gone (for tests, benches and the demo).
 - ``event {gpu, kind, xid, detail}``: inject a health event (``sim-event``).
 - ``hang {gpu, call, seconds}``: fault injection (``sim-event --hang``): for ``seconds``,
   the agent's backend blocks in the GPU's ``call`` (an NVML function name, ``*`` for

@@ -88,10 +88,21 @@ def truth_reply(engines: Sequence[GpuEngine], now: float, wall_offset: float) ->
                 "queued": c.queued,
                 "pending_s": c.pending_s,
                 "memory_bytes": c.memory_bytes,
+                "peak_memory_bytes": c.peak_memory_bytes,
             }
             for c in engine.truth(now)
         ]
+        departed = [
+            {"pid": pid, "start_ticks": ticks, "peak_memory_bytes": peak}
+            for pid, ticks, peak in engine.departed_peaks
+        ]
         gpus.append(
-            {"index": engine.index, "busy_s": engine.busy_s, "work_s": engine.work_s, "contexts": contexts}
+            {
+                "index": engine.index,
+                "busy_s": engine.busy_s,
+                "work_s": engine.work_s,
+                "contexts": contexts,
+                "departed": departed,
+            }
         )
     return {"ok": True, "monotonic": now, "wall": now + wall_offset, "gpus": gpus}

@@ -52,6 +52,8 @@ class WorkloadSpec:
     duration_s: float | None = None  # None: until stopped
     grow_to_mib: int | None = None  # after grow_after_s, hold this much memory instead
     grow_after_s: float = 0.0
+    grow_step_mib: int = 0  # grow by this much every grow_every_s (0: all at once)
+    grow_every_s: float = 0.0
     driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (driver.py)
     progress: Path | None = None  # append each step's completion wall time here (--progress)
     latency_after_s: float = 0.0  # latency percentiles over requests answered after this long
@@ -68,6 +70,10 @@ class WorkloadSpec:
             problems.append(f"--latency-after must be >= 0, got {self.latency_after_s}")
         if self.grow_after_s < 0:
             problems.append(f"--grow-after must be >= 0, got {self.grow_after_s}")
+        if self.grow_step_mib < 0 or self.grow_every_s < 0:
+            problems.append("--grow-step-mib and --grow-every must be >= 0")
+        if self.grow_step_mib > 0 and (self.grow_to_mib is None or self.grow_to_mib <= self.memory_mib):
+            problems.append("--grow-step-mib needs --grow-to-mib above --memory-mib")
         if problems:
             raise InvalidSpecError("; ".join(problems))
 
@@ -123,7 +129,12 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
     driver = SimDriverCalls() if spec.driver_ioctls else None
     end = None if spec.duration_s is None else time.monotonic() + spec.duration_s
     program = with_memory(
-        pattern_program(spec.pattern, stats), spec.memory_mib, spec.grow_to_mib, spec.grow_after_s
+        pattern_program(spec.pattern, stats),
+        spec.memory_mib,
+        spec.grow_to_mib,
+        spec.grow_after_s,
+        grow_step_mib=spec.grow_step_mib,
+        grow_every_s=spec.grow_every_s,
     )
     progress = None if spec.progress is None else Progress(spec.progress, _step_op(spec.pattern))
     try:
