@@ -42,7 +42,7 @@ from pathlib import Path
 from agent.clock import Clock, SystemClock
 from agent.control.mpsgrants import MpsGrant, load_grants, mps_ceiling, save_grants
 from agent.control.mpsnamespacing import NamespaceBinder
-from agent.control.mpstrust import NamespaceTrust
+from agent.control.mpstrust import NamespaceTrust, read_uids
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
@@ -319,9 +319,17 @@ class MpsSharing:
         self.mixed_users = mixed
 
     def _check_trust(self, grants: list[tuple[str, MpsGrant]]) -> None:
-        if self.trust is not None:
-            with self._lock:
-                self.trust.check(grants, self.uids_of)
+        """A share that loses trust gets 100 % in its namespace: the freezer alone holds it
+        now, to its grant (an honest one would get grant x grant under both)."""
+        if self.trust is None or self._binder is None:
+            return
+        readings = read_uids(grants, self.uids_of)
+        with self._lock:
+            for moved in self.trust.update(readings):
+                grant = self._grants.get(moved.key)
+                why = None if grant is None else self._binder.open_up(moved.key, grant.pipe_dir)
+                if why is not None:
+                    log.info("MPS v3: namespace of %s not opened to 100 %%: %s", moved.key, why)
 
     def untrusted(self, pod_uid: str, container: str) -> str | None:
         """Why an MPS v3 share is not trusted to its namespace, so the freezer holds it (None:

@@ -39,6 +39,19 @@ class Moved:
     was_trusted: bool  # it ran on its namespace limit until now
 
 
+def read_uids(
+    grants: Sequence[tuple[str, MpsGrant]], uids_of: Callable[[str, str], frozenset[int]] | None
+) -> dict[str, tuple[int, frozenset[int]]]:
+    """The uids of every share with a namespace (``uids_of(pod uid, container)``; None:
+    nothing to read them by, so none will be trusted): key -> (GPU, uids)."""
+    readings = {}
+    for key, grant in grants:
+        if grant.namespace is not None:
+            pod_uid, _, container = key.partition("/")
+            readings[key] = (grant.gpu, uids_of(pod_uid, container) if uids_of is not None else frozenset())
+    return readings
+
+
 class NamespaceTrust:
     """The trust decisions of one node's v3 shares, keyed ``pod uid/container``. Not
     thread-safe: the sharing lock serialises its callers."""
@@ -48,24 +61,9 @@ class NamespaceTrust:
         self._trusted: set[str] = set()
         self._refused: dict[str, str] = {}  # key -> why; kept until the share goes
 
-    def check(
-        self, grants: Sequence[tuple[str, MpsGrant]], uids_of: Callable[[str, str], frozenset[int]] | None
-    ) -> None:
-        """Read the uids of every share with a namespace (``uids_of(pod uid, container)``;
-        None: nothing to read them by, so none is trusted) and log each that loses trust."""
-        readings = {}
-        for key, grant in grants:
-            if grant.namespace is not None:
-                pod_uid, _, container = key.partition("/")
-                uids = uids_of(pod_uid, container) if uids_of is not None else frozenset()
-                readings[key] = (grant.gpu, uids)
-        for m in self.update(readings):
-            before = "was on its namespace limit until now" if m.was_trusted else "not trusted before either"
-            log.warning("MPS v3: %s %s (%s)", m.key, m.why, before)
-
     def update(self, readings: Mapping[str, tuple[int, frozenset[int]]]) -> list[Moved]:
         """One reading of every v3 share: key -> (GPU, its processes' uids; empty: none
-        read). Returns the shares that lost trust now."""
+        read). Returns (and logs) the shares that lost trust now."""
         for key in (self._trusted | self._refused.keys()) - readings.keys():
             self._trusted.discard(key)
             self._refused.pop(key, None)
@@ -95,6 +93,9 @@ class NamespaceTrust:
             moved.append(Moved(key, why, key in self._trusted))
             self._trusted.discard(key)
             self._refused[key] = why
+        for m in moved:
+            before = "was on its namespace limit until now" if m.was_trusted else "not trusted before either"
+            log.warning("MPS v3: %s %s (%s)", m.key, m.why, before)
         return moved
 
     def why_not(self, key: str) -> str | None:

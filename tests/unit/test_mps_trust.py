@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.control.mpsgrants import MpsGrant
-from agent.control.mpstrust import PENDING, NamespaceTrust
+from agent.control.mpstrust import PENDING, NamespaceTrust, read_uids
 from agent.domain.annotations import Policy
 from agent.platform.gpu.mpspartition import Partition
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -69,14 +69,14 @@ def test_only_shares_with_a_namespace_are_read_and_a_lost_one_is_logged(
         return users[pod]
 
     grants = [("a/c", grant("vc-a")), ("b/c", grant(None))]
-    trust.check(grants, uids_of)
+    trust.update(read_uids(grants, uids_of))
     assert asked == ["a"] and trust.why_not("a/c") is None
     users["a"] = ROOT  # e.g. a setuid-root program it ran
     with caplog.at_level(logging.WARNING):
-        trust.check(grants, uids_of)
+        trust.update(read_uids(grants, uids_of))
     assert "a/c runs as uid 0" in caplog.text and "was on its namespace limit until now" in caplog.text
     fresh = NamespaceTrust(daemon_uid=0)
-    fresh.check(grants, None)  # nothing to read uids by: nothing is trusted
+    fresh.update(read_uids(grants, None))  # nothing to read uids by: nothing is trusted
     assert fresh.why_not("a/c") == PENDING
 
 
