@@ -304,3 +304,37 @@ def test_a_uid_1000_tenant_cannot_lift_its_namespace_and_stays_on_it(short_dir: 
         used = node.utilization([box], MEASURE_S)[0]
         assert used == pytest.approx(effective_share(10, SMS) * 100, abs=2), used
         assert "uid 0" not in fetch_status(node.state_dir / "status.sock")["gpus"][0]["sharingReason"]
+
+
+def test_the_agent_trusts_a_namespace_by_its_shares_uids_and_opens_an_untrusted_one_to_the_freezer(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    cgroups = {pod: tree.mkdir(UNIFIED, f"kubepods/pod-{pod}/ctr") for pod in ("root", "user")}
+    sharing = sharing_on(v3_server, short_dir / "mps", cgroups, v3=True)
+    uids = {"root": frozenset({os.geteuid()}), "user": frozenset({TENANT_UID})}
+    sharing.uids_of = lambda pod_uid, _container: uids[pod_uid]
+    try:
+        grants = {
+            pod: sharing.grant_for(
+                ResolvedRequest(10, gpus_of(v3_server)[1:2] if pod == "user" else gpus_of(v3_server)[:1]),
+                Assignment(pod, "default", pod, "c", False, (1 if pod == "user" else 0,), 10, 0),
+            )
+            for pod in ("root", "user")
+        }
+        assert all(g is not None and g.namespace for g in grants.values())
+        assert sharing.untrusted("root", "c") is not None  # no reading yet
+        sharing.check_users()
+        assert "runs as uid 0, the MPS daemon's user" in (sharing.untrusted("root", "c") or "")
+        assert sharing.blind_share("root", "c") == pytest.approx(effective_share(10, SMS) * 100)
+        assert sharing.untrusted("user", "c") is None and sharing.blind_share("user", "c") is None
+        root, user = grants["root"], grants["user"]
+        assert root is not None and user is not None
+        # the freezer alone holds the root share now: its namespace is opened to 100 %
+        assert send_commands(root.pipe_dir, [f"namespace get --name={root.namespace}"])[0].startswith(
+            "100.0 "
+        )
+        assert send_commands(user.pipe_dir, [f"namespace get --name={user.namespace}"])[0].startswith("10.0 ")
+        assert "root/c: runs as uid 0" in sharing.gpus()[0].reason
+    finally:
+        for daemon in sharing._daemons.values():
+            daemon.stop()
