@@ -16,7 +16,7 @@ from typing import Any
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
 from agent.control.enforcer import Enforcer
-from agent.control.mpssharing import mps_ceiling
+from agent.control.mpsgrants import mps_ceiling
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode

@@ -32,6 +32,7 @@ class ContainerControl:
     yielding: bool = False  # not held, but frozen during held containers' turns (turns)
     unholdable: str = ""  # why its cap cannot be held by freezing (turns), for status and an Event
     told_unholdable: bool = False  # the listeners heard of this episode
+    held_blind: bool = False  # held to a fixed duty: an MPS client whose limits are not trusted
 
 
 @dataclass(frozen=True)

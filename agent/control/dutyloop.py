@@ -20,6 +20,7 @@ from agent.control.containers import ContainerControl, GpuView
 from agent.control.dutycycle import CycleSchedule
 from agent.control.usagemeter import SampleSource, UsageMeter
 from agent.domain.dutycontrol import Gains, Measurement, Member, next_duty, targets
+from agent.domain.specs import EnforcementSpec
 from agent.platform.cgroups.paths import ContainerRef
 
 FULL_DUTY = 0.98  # above this, freezing for a few ms is not worth two writes
@@ -37,8 +38,12 @@ class DutyLoop:
         gains: Gains,
         clock: Clock,
         report: Callable[[int, str], None],
+        blind: Callable[[EnforcementSpec], float | None] = lambda _spec: None,
     ) -> None:
+        """``blind(spec)``: the share of the GPU (percent) a container whose MPS limits are
+        not trusted is held to by freezing alone (None: its limits are, or it has none)."""
         self.gains = gains
+        self._blind = blind
         self.meter = UsageMeter(gpus, samples, owner_of, gains=gains, clock=clock, report=report)
         self.cycles = {g: CycleSchedule() for g in gpus}
 
@@ -69,10 +74,24 @@ class DutyLoop:
         held = []
         for control in controls:
             control.goal = goals[control.key]
+            blind = self._blind(control.spec)
+            if blind is not None:
+                control.goal = min(100.0 if control.goal is None else control.goal, blind)
             next_duty(control.state, measured[control.key], control.goal, self.gains)
+            self._hold_blind(gpu, control, blind)
             if control.goal is not None and control.state.duty < FULL_DUTY:
                 held.append(control)
         return held
+
+    def _hold_blind(self, gpu: int, control: ContainerControl, blind: float | None) -> None:
+        """An untrusted MPS client NVML does not credit (it credits the MPS server) has no
+        measurement to hold it by: it is thawed for ``blind`` % of each cycle, so that even at
+        the whole GPU it uses no more than that."""
+        if blind is not None and not self.measured(gpu, control.key):
+            control.state.duty = min(1.0, blind / 100)
+            control.held_blind = True
+        elif control.held_blind:  # trusted now, or measured: the loop's own duty from here
+            control.state.duty, control.held_blind = 1.0, False
 
     def _measure(self, gpu: int, key: str) -> Measurement | None:
         schedule = self.cycles[gpu]

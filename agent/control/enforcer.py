@@ -63,12 +63,14 @@ class Enforcer:
         turns: TurnSettings | None = None,
         feedback: str = "device",
         concurrent: Callable[[int], bool] = lambda _gpu: False,
+        untrusted: Callable[[EnforcementSpec], float | None] = lambda _spec: None,
         clock: Clock | None = None,
         enabled: bool = True,
     ) -> None:
         """``feedback``: "device" (turns wherever the GPU time-slices) or "nvml" (duty cycles
         everywhere); ``concurrent``: whether a GPU's clients run concurrently now (MPS),
-        where turns do not apply."""
+        where turns do not apply; ``untrusted(spec)``: the share (percent) the freezer holds a
+        container to whose MPS limits are not trusted (None: they are, or it has none)."""
         self._gpus = tuple(gpus)
         self._specs = specs
         self._locate = locate
@@ -80,7 +82,13 @@ class Enforcer:
         self._clock = clock or SystemClock()
         self.enabled = enabled
         self.duty = DutyLoop(
-            self._gpus, samples, owner_of, gains=self.gains, clock=self._clock, report=self._report
+            self._gpus,
+            samples,
+            owner_of,
+            gains=self.gains,
+            clock=self._clock,
+            report=self._report,
+            blind=untrusted,
         )
         turn_settings = turns or TurnSettings()
         self.turns = TurnLoop(

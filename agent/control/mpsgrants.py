@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.domain.annotations import Policy
+from agent.domain.specs import EnforcementSpec
 from agent.platform.gpu.mpspartition import Partition
 from agent.platform.mpsv3 import UNVERIFIED
 
@@ -97,3 +99,13 @@ def _str_or_none(value: object) -> str | None:
     if value is None or type(value) is str:
         return value
     raise TypeError(f"{value!r} is not a string or null")
+
+
+def mps_ceiling(spec: EnforcementSpec, fixed_others: int) -> int:
+    """The active-thread percentage a share's MPS limit is made from: its ceiling, and for
+    best-effort and burst-share never into what the GPU's other fixed shares were promised
+    (``fixed_others``: the sum of their caps)."""
+    ceiling = spec.ceiling or 100
+    if spec.policy is Policy.FIXED_SHARE:
+        return ceiling
+    return max(1, min(ceiling, 100 - fixed_others))

@@ -83,6 +83,13 @@ class NamespaceBinder:
             log.info("MPS v3: namespace %s of %s bound to %s", name, key, cgroup)
         return why
 
+    def open_up(self, key: str, pipe_dir: Path) -> str | None:
+        """The share's namespace at 100 %: the freezer holds it alone (:mod:`.mpstrust`); why not."""
+        name = mpsv3.namespace_name(*key.split("/", 1))
+        return self._send(
+            pipe_dir, [w.format(name=name, percent=100) for w in mpsv3.NAMESPACE_COMMANDS["percentage"]]
+        )
+
     def delete(self, key: str, pipe_dir: Path) -> None:
         """The share is gone: so is its namespace (a daemon that went is no error)."""
         self.bound.pop(key, None)

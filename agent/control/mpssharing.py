@@ -24,23 +24,25 @@ up) is held by the freezer as before, and the reason is kept for status.
 :mod:`agent.platform.mpsv3`): the limits are the daemon's, not the client's. Each share gets a
 namespace with its percentage and memory limit, bound to its pod's and then its container's
 cgroup (:mod:`.mpsnamespacing`); the daemon runs with ``-p 3``, the ADVISORY reason does not
-apply, and the grants are enforceable, marked unverified on hardware. A share without a
-ledger container (a DRA claim's) gets no namespace: advisory as before. Without v3 nothing
-changes.
+apply, and the grants are enforceable, marked unverified on hardware, for the shares
+:mod:`.mpstrust` trusts (none of their processes runs as the daemon's uid); the freezer
+holds the others. A share without a ledger container (a DRA claim's) gets no namespace:
+advisory as before. Without v3 nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
-from agent.control.mpsgrants import MpsGrant, load_grants, save_grants
+from agent.control.mpsgrants import MpsGrant, load_grants, mps_ceiling, save_grants
 from agent.control.mpsnamespacing import NamespaceBinder
-from agent.domain.annotations import Policy
+from agent.control.mpstrust import NamespaceTrust, read_uids
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
@@ -112,6 +114,7 @@ class MpsSharing:
         daemon_command = [*self.command, "-p", "3"] if v3 else self.command
         self._daemons = {g.index: MpsDaemon(g.index, g.uuid, daemon_command, settings.mps_root) for g in gpus}
         self._binder = NamespaceBinder(self.command) if v3 else None
+        self.trust = NamespaceTrust(os.geteuid()) if v3 else None  # the daemon runs as the agent
         self._lock = threading.Lock()
         self._idle_since: dict[int, float] = {}
         self._grants_file = settings.mps_root / "grants.json"
@@ -120,6 +123,7 @@ class MpsSharing:
         # Set by the node once it can list a container's processes: (pod uid, container) -> the
         # user ids its processes run as; and who hears of a GPU whose clients' uids differ.
         self.users_of: Callable[[str, str], frozenset[int]] | None = None
+        self.uids_of: Callable[[str, str], frozenset[int]] | None = None  # every uid field (v3 trust)
         self.on_mixed_users: Callable[[int, list[str], list[int]], None] | None = None
         self.mixed_users: dict[int, list[int]] = {}  # GPU -> the user ids of its MPS clients
         # Set by the node (MPS v3): (pod uid, container) -> its cgroup directory (None: not yet).
@@ -294,11 +298,13 @@ class MpsSharing:
     def check_users(self) -> None:
         """MPS runs one server per user id: a client of another uid than the running server's
         waits, silently, until that server's clients are done (design notes §12). A GPU whose
-        granted containers run as more than one uid is reported (status, log, Event)."""
-        if self.users_of is None:
-            return
+        granted containers run as more than one uid is reported (status, log, Event). MPS v3:
+        which shares are trusted to their namespaces (:mod:`.mpstrust`)."""
         with self._lock:
             grants = list(self._grants.items())
+        self._check_trust(grants)
+        if self.users_of is None:
+            return
         by_gpu: dict[int, dict[str, frozenset[int]]] = {}
         for key, grant in grants:
             pod_uid, _, container = key.partition("/")
@@ -311,6 +317,36 @@ class MpsSharing:
                 if self.mixed_users.get(gpu) != uids and self.on_mixed_users is not None:
                     self.on_mixed_users(gpu, sorted(k for k, u in users.items() if u), uids)
         self.mixed_users = mixed
+
+    def _check_trust(self, grants: list[tuple[str, MpsGrant]]) -> None:
+        """A share that loses trust gets 100 % in its namespace: the freezer alone holds it
+        now, to its grant (an honest one would get grant x grant under both)."""
+        if self.trust is None or self._binder is None:
+            return
+        readings = read_uids(grants, self.uids_of)
+        with self._lock:
+            for moved in self.trust.update(readings):
+                grant = self._grants.get(moved.key)
+                why = None if grant is None else self._binder.open_up(moved.key, grant.pipe_dir)
+                if why is not None:
+                    log.info("MPS v3: namespace of %s not opened to 100 %%: %s", moved.key, why)
+
+    def untrusted(self, pod_uid: str, container: str) -> str | None:
+        """Why an MPS v3 share is not trusted to its namespace, so the freezer holds it (None:
+        trusted, or no namespace: its grant says what holds it)."""
+        key = _key(pod_uid, container)
+        with self._lock:
+            grant = self._grants.get(key)
+            if self.trust is None or grant is None or grant.namespace is None:
+                return None
+            return self.trust.why_not(key)
+
+    def blind_share(self, pod_uid: str, container: str) -> float | None:
+        """The share of the GPU the freezer holds an untrusted v3 share to (None: trusted)."""
+        grant = self.grant(pod_uid, container)
+        if grant is None or self.untrusted(pod_uid, container) is None:
+            return None
+        return grant.partition.effective_percent
 
     def forget(self, keep: set[tuple[str, str]]) -> None:
         """Drop the grants of containers no longer in the ledger."""
@@ -355,13 +391,16 @@ class MpsSharing:
                     GpuSharing(index, "mps", "no share on it yet: its daemon starts at the first", None)
                 )
             else:
-                v3 = (
-                    "; MPS v3: limits on the daemon's side per share cgroup (enforceable)"
-                    if self._binder
-                    else ""
-                )
+                v3 = "; MPS v3: limits on the daemon's side per share cgroup (enforceable)"
+                v3 = v3 + self._untrusted_on(index) if self._binder else ""
                 out.append(GpuSharing(index, "mps", f"control daemon {daemon.state}{v3}", daemon.status()))
         return out
+
+    def _untrusted_on(self, gpu: int) -> str:
+        with self._lock:
+            keys = sorted(k for k, g in self._grants.items() if g.gpu == gpu)
+        whys = [(k, self.untrusted(*k.partition("/")[::2])) for k in keys]
+        return "".join(f"; {k}: {why}" for k, why in whys if why is not None)
 
     def daemon_statuses(self) -> list[DaemonStatus]:
         return [d.status() for d in self._daemons.values()]
@@ -383,16 +422,6 @@ class MpsSharing:
             self._reported.add(message)
             # auto falls back by design; mps was asked for and did not happen
             log.log(logging.INFO if self.mode() is SharingMode.AUTO else logging.ERROR, "%s", message)
-
-
-def mps_ceiling(spec: EnforcementSpec, fixed_others: int) -> int:
-    """The active-thread percentage a share's MPS limit is made from: its ceiling, and for
-    best-effort and burst-share never into what the GPU's other fixed shares were promised
-    (``fixed_others``: the sum of their caps)."""
-    ceiling = spec.ceiling or 100
-    if spec.policy is Policy.FIXED_SHARE:
-        return ceiling
-    return max(1, min(ceiling, 100 - fixed_others))
 
 
 def _key(pod_uid: str, container: str) -> str:

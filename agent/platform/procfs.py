@@ -100,6 +100,11 @@ class ProcFS:
 
     def real_uid(self, pid: int) -> int:
         """The process's real user id (``Uid:`` in /proc/<pid>/status)."""
+        return self.uids(pid)[0]
+
+    def uids(self, pid: int) -> tuple[int, ...]:
+        """The process's real, effective, saved and filesystem user ids (``Uid:`` in
+        /proc/<pid>/status): a process may switch to any of them without privilege."""
         path = self.root / str(pid) / "status"
         try:
             text = path.read_text()
@@ -109,7 +114,7 @@ class ProcFS:
             raise PlatformError(f"cannot read {path}: {err}") from err
         for line in text.splitlines():
             if line.startswith("Uid:"):
-                fields = line.split()
-                if len(fields) > 1 and fields[1].isdigit():
-                    return int(fields[1])
+                fields = line.split()[1:]
+                if fields and all(f.isdigit() for f in fields):
+                    return tuple(int(f) for f in fields)
         raise PlatformError(f"{path} has no Uid: line")

@@ -105,6 +105,7 @@ class EnforcementIntegration:
             turns=TurnSettings(cycle_s=settings.cycle_s, max_wait_s=settings.max_wait_s),
             feedback=settings.feedback.value,
             concurrent=sharing.concurrent if sharing is not None else lambda _gpu: False,
+            untrusted=(lambda s: sharing.blind_share(s.pod_uid, s.container)) if sharing else lambda _s: None,
             clock=self._clock,
             enabled=settings.enabled,
         )
@@ -113,6 +114,7 @@ class EnforcementIntegration:
         self._procfs = procfs
         if sharing is not None:
             sharing.users_of = self._container_users
+            sharing.uids_of = self._container_uids
             sharing.cgroup_of = self._container_cgroup
             sharing.on_mixed_users = self._mixed_users_event
         self.memory = MemoryIntegration(
@@ -134,7 +136,12 @@ class EnforcementIntegration:
             self._kube.events.pod(pod, UNHOLDABLE_REASON, f"container {spec.container}: {why}")
 
     def _container_users(self, pod_uid: str, container: str) -> frozenset[int]:
-        """The user ids the container's processes run as (none known: empty)."""
+        """The real user ids the container's processes run as (none known: empty)."""
+        return self._container_uids(pod_uid, container, every=False)
+
+    def _container_uids(self, pod_uid: str, container: str, every: bool = True) -> frozenset[int]:
+        """The user ids of the container's processes: each one's real, effective, saved and
+        filesystem uid (``every``; any of them it may switch to), else its real uid."""
         spec = next((s for s in self._kube.specs() if (s.pod_uid, s.container) == (pod_uid, container)), None)
         target = self.locate(spec) if spec is not None else None
         if target is None or target.procs_file is None:
@@ -143,10 +150,10 @@ class EnforcementIntegration:
             pids = [int(p) for p in target.procs_file.read_text().split()]
         except (OSError, ValueError):
             return frozenset()
-        uids = set()
+        uids: set[int] = set()
         for pid in pids:
             try:
-                uids.add(self._procfs.real_uid(pid))
+                uids.update(self._procfs.uids(pid) if every else (self._procfs.real_uid(pid),))
             except VcudaError:
                 continue  # gone meanwhile
         return frozenset(uids)
@@ -324,6 +331,9 @@ class EnforcementIntegration:
         if spec.whole:
             return "none", "a whole GPU is never limited"
         grant = self.sharing.grant(spec.pod_uid, spec.container) if self.sharing is not None else None
+        untrusted = self.sharing.untrusted(spec.pod_uid, spec.container) if self.sharing is not None else None
+        if grant is not None and untrusted is not None:
+            return "freezer", f"{grant.describe()}: {untrusted}"
         if grant is not None:
             if not self.enforcer.measured(control):
                 # NVIDIA: NVML credits MPS clients' work to the MPS server.
@@ -342,7 +352,8 @@ class EnforcementIntegration:
         driver, detail = self.memory.limits.holder(spec.label)
         if driver:
             return "driver", detail
-        if grant is not None and grant.memory_mib:
+        trusted = self.sharing is not None and self.sharing.untrusted(spec.pod_uid, spec.container) is None
+        if grant is not None and grant.memory_mib and trusted:
             return "mps", f"pinned device memory limit {grant.memory_mib} MiB"
         return self.memory.mode, f"no driver limit: {detail}"
 

@@ -23,6 +23,7 @@ import pytest
 from agent.emulators.enforcednode import EnforcedNode, enforced_node, pod_manifest, wait_for
 from agent.surfaces.statusclient import fetch_status
 from tests.integration.cgroup_trees import real_layout
+from tests.integration.mpstenants import start_tenant
 
 pytestmark = pytest.mark.privileged
 
@@ -119,12 +120,21 @@ def test_on_an_mps_v3_driver_the_tenant_that_lifts_its_env_stays_at_its_grant(sh
     # The same cheat on a driver whose daemon binds limits to cgroups (r615+/R620, simulated;
     # unverified on hardware): the agent detects it, uses MPS without being asked, and the
     # tenant's own 100 % does not raise the namespace the agent bound to its pod's cgroup.
+    # The pods run as uid 1000: one of the daemon's uid (root) is not trusted to its
+    # namespace (tests/integration/test_mps_v3.py).
     real_layout()
     args = ("--device-guard", "off", "--no-ioctl-tracing", "--sharing-mode", "mps")
     with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=args) as node:
-        cheat = node.run_pod("cheat", 10, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"})
-        fixed50 = node.run_pod("fixed50", 50)
-        fixed40 = node.run_pod("fixed40", 40)
+        lifted = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
+        cheat = start_tenant(node, "cheat", 10, user=TENANT_UID, queue=16, env=lifted)[0]
+        fixed50 = start_tenant(node, "fixed50", 50, user=TENANT_UID, queue=16)[0]
+        fixed40 = start_tenant(node, "fixed40", 40, user=TENANT_UID, queue=16)[0]
+        trusted = dict.fromkeys(("cheat", "fixed50", "fixed40"), "mps+freezer")
+        wait_for(
+            lambda: {pod: row["computeHeldBy"] for pod, row in rows(node).items()} == trusted,
+            10,
+            "the three trusted to their namespaces",
+        )
         assert node.responses["cheat"].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
         gpu = status(node)["gpus"][0]
         assert gpu["sharing"] == "mps" and "(enforceable)" in gpu["sharingReason"], gpu

@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.control.mpssharing import MpsSharing
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, wait_for
 from agent.platform.cgroups.layout import UNIFIED
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.gpu.mpspartition import effective_share
 from agent.platform.gpu.sim.mpsdaemon import send_commands
 from agent.platform.mpsv3 import MpsCapability, detect, namespace_name, probe_v3
 from agent.settings import SharingMode, SharingSettings
-from tests.integration.cgroup_trees import CgroupTree, cgroup_tree
+from agent.surfaces.statusclient import fetch_status
+from tests.integration.cgroup_trees import CgroupTree, cgroup_tree, real_layout
+from tests.integration.mpstenants import start_tenant
 from tests.integration.test_gpu_server import GpuServerProcess, running_gpu_server, sim_command
 
 SMS = 132
@@ -239,6 +245,96 @@ def test_a_client_before_its_binding_gets_the_floor_and_the_next_tick_binds_it(
         later.close()
         sharing.forget(set())  # the container left the ledger: its namespace goes
         assert send_commands(grant.pipe_dir, ["namespace list"]) == [""]
+    finally:
+        for daemon in sharing._daemons.values():
+            daemon.stop()
+
+
+AGENT = ("--device-guard", "off", "--no-ioctl-tracing", "--sharing-mode", "mps")
+SETTLE_S = 3.0
+MEASURE_S = 6.0
+
+
+def held(node: EnforcedNode, pod: str) -> dict[str, Any]:
+    containers = fetch_status(node.state_dir / "status.sock")["gpus"][0]["containers"]
+    return next((c for c in containers if c["pod"] == pod), {})
+
+
+@pytest.mark.privileged
+def test_a_root_tenant_that_lifts_its_namespace_is_held_at_its_grant_by_the_freezer(short_dir: Path) -> None:
+    # The daemon runs as root (the agent's user) and refuses namespace administration only
+    # to other uids: a tenant running as uid 0 changes its own namespace's limit. The agent
+    # reads its uid, does not trust it to its namespace, and the freezer holds it, blind
+    # (NVML credits its work to the MPS server), to its grant's share of the GPU.
+    real_layout()
+    with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
+        box, pipe, namespace = start_tenant(node, "root", 10, user=None, lift=True)
+        assert send_commands(pipe, [f"namespace get --name={namespace}"])[0].startswith("100.0 ")  # it worked
+        row = wait_for(lambda: (r := held(node, "root")) and "uid 0" in r["computeDetail"] and r, 10, "held")
+        assert row["computeHeldBy"] == "freezer", row
+        why = "runs as uid 0, the MPS daemon's user: it could change its own namespace's limit"
+        assert why in row["computeDetail"], row
+        gpu = fetch_status(node.state_dir / "status.sock")["gpus"][0]
+        assert "runs as uid 0" in gpu["sharingReason"] and "held by the freezer" in gpu["sharingReason"], gpu
+        time.sleep(SETTLE_S)
+        used = node.utilization([box], MEASURE_S)[0]
+        # Alone, it would take 100 %; thawed for its grant's share of each cycle, it gets at most
+        # that (less where a thawed process takes a while to be scheduled again).
+        assert 1.0 < used <= effective_share(10, SMS) * 100 + 3, used
+        metrics = node.metrics()
+        held_by = [line for line in metrics.splitlines() if line.startswith("vcuda_container_held_by_info{")]
+        assert any('pod="root"' in line and 'compute="freezer"' in line for line in held_by), held_by
+        assert re.search(r'^vcuda_mps_limits_advisory\{gpu="0"[^}]*\} 0\.0$', metrics, re.M)
+        assert "runs as uid 0, the MPS daemon's user" in node.agent_log()
+
+
+@pytest.mark.privileged
+def test_a_uid_1000_tenant_cannot_lift_its_namespace_and_stays_on_it(short_dir: Path) -> None:
+    real_layout()
+    with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
+        box, pipe, namespace = start_tenant(node, "tenant", 10, user=TENANT_UID, lift=True)
+        row = wait_for(
+            lambda: held(node, "tenant").get("computeHeldBy") == "mps+freezer" and held(node, "tenant"),
+            10,
+            "the tenant trusted to its namespace",
+        )
+        assert f"MPS v3 namespace {namespace}" in row["computeDetail"], row
+        assert send_commands(pipe, [f"namespace get --name={namespace}"])[0].startswith("10.0 ")  # refused
+        time.sleep(SETTLE_S)
+        used = node.utilization([box], MEASURE_S)[0]
+        assert used == pytest.approx(effective_share(10, SMS) * 100, abs=2), used
+        assert "uid 0" not in fetch_status(node.state_dir / "status.sock")["gpus"][0]["sharingReason"]
+
+
+def test_the_agent_trusts_a_namespace_by_its_shares_uids_and_opens_an_untrusted_one_to_the_freezer(
+    short_dir: Path, v3_server: GpuServerProcess, tree: CgroupTree
+) -> None:
+    cgroups = {pod: tree.mkdir(UNIFIED, f"kubepods/pod-{pod}/ctr") for pod in ("root", "user")}
+    sharing = sharing_on(v3_server, short_dir / "mps", cgroups, v3=True)
+    uids = {"root": frozenset({os.geteuid()}), "user": frozenset({TENANT_UID})}
+    sharing.uids_of = lambda pod_uid, _container: uids[pod_uid]
+    try:
+        grants = {
+            pod: sharing.grant_for(
+                ResolvedRequest(10, gpus_of(v3_server)[1:2] if pod == "user" else gpus_of(v3_server)[:1]),
+                Assignment(pod, "default", pod, "c", False, (1 if pod == "user" else 0,), 10, 0),
+            )
+            for pod in ("root", "user")
+        }
+        assert all(g is not None and g.namespace for g in grants.values())
+        assert sharing.untrusted("root", "c") is not None  # no reading yet
+        sharing.check_users()
+        assert "runs as uid 0, the MPS daemon's user" in (sharing.untrusted("root", "c") or "")
+        assert sharing.blind_share("root", "c") == pytest.approx(effective_share(10, SMS) * 100, abs=0.01)
+        assert sharing.untrusted("user", "c") is None and sharing.blind_share("user", "c") is None
+        root, user = grants["root"], grants["user"]
+        assert root is not None and user is not None
+        # the freezer alone holds the root share now: its namespace is opened to 100 %
+        assert send_commands(root.pipe_dir, [f"namespace get --name={root.namespace}"])[0].startswith(
+            "100.0 "
+        )
+        assert send_commands(user.pipe_dir, [f"namespace get --name={user.namespace}"])[0].startswith("10.0 ")
+        assert "root/c: runs as uid 0" in sharing.gpus()[0].reason
     finally:
         for daemon in sharing._daemons.values():
             daemon.stop()

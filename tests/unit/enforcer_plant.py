@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 from agent.clock import VirtualClock
 from agent.control.actuators import ThrottleTarget
@@ -12,6 +13,7 @@ from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import Gains
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
+from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
 
@@ -47,10 +49,18 @@ class Rig:
     """One simulated GPU, its containers' programs and an enforcer, all in virtual time."""
 
     def __init__(
-        self, config: EngineConfig | None = None, gains: Gains | None = None, feedback: str = "device"
+        self,
+        config: EngineConfig | None = None,
+        gains: Gains | None = None,
+        feedback: str = "device",
+        untrusted: Callable[[EnforcementSpec], float | None] = lambda _spec: None,
+        uncredited: frozenset[str] = frozenset(),
     ) -> None:
-        """``feedback``: "device" (turns, the default) or "nvml" (the legacy duty cycles)."""
+        """``feedback``: "device" (turns, the default) or "nvml" (the legacy duty cycles);
+        ``untrusted``: the enforcer's (MPS limits not trusted); ``uncredited``: the containers
+        whose samples no container owns (NVML credits an MPS client's work to the server)."""
         self.clock = VirtualClock()
+        self._hidden = uncredited
         self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
         self.specs: list[EnforcementSpec] = []
         self.stats: dict[str, WorkloadStats] = {}
@@ -58,12 +68,13 @@ class Rig:
             gpus=[0],
             samples=self.gpu,
             specs=lambda: self.specs,
-            owner_of=self.gpu.owner_of,
+            owner_of=self._owner_of,
             locate=lambda s: ThrottleTarget(s.container_id, None, None),
             actuator=self.gpu,
             period_s=PERIOD,
             gains=gains,
             feedback=feedback,
+            untrusted=untrusted,
             clock=self.clock,
         )
         self.start = self.clock.monotonic()
@@ -76,6 +87,10 @@ class Rig:
         self.stats[name] = WorkloadStats()
         self.gpu.add(name, 0, pattern_program(pattern, self.stats[name]))
         self.specs.append(item)
+
+    def _owner_of(self, pid: int) -> ContainerRef | None:
+        ref = self.gpu.owner_of(pid)
+        return None if ref is None or ref.container_id.removeprefix("cid-") in self._hidden else ref
 
     def run_for(self, seconds: float) -> None:
         end = self.clock.monotonic() + seconds

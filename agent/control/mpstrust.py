@@ -1,0 +1,105 @@
+"""Which MPS v3 shares are trusted to the namespace limits the agent set for them.
+
+A v3 daemon refuses namespace administration to a peer whose uid is not its own (an
+ASSUMPTION, :mod:`agent.platform.gpu.sim.mpsnamespaces`), and every client must reach its
+control socket. The daemon runs as the agent's user (root): a container process that runs
+as that uid is the daemon's owner as far as the daemon can tell, and can set any namespace
+of that daemon, its own included. So a share is trusted to its namespace only once a
+reading of its processes' uids (real, effective, saved, filesystem: any it may switch to)
+shows none that is the daemon's; until then (no process read yet), and for good once one
+of them, or a process of another share on the same daemon (which could raise this share's
+namespace for it), was seen with the daemon's uid, the freezer holds it.
+
+Readings come once a second: a process that ran as the daemon's uid and exited, or
+dropped to another uid, between two readings is not seen (docs/enforcement.md "MPS v3").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from agent.control.mpsgrants import MpsGrant
+
+log = logging.getLogger(__name__)
+
+PENDING = (
+    "no process of it read yet: not trusted to its MPS v3 namespace until one shows a uid other "
+    "than the MPS daemon's; held by the freezer"
+)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A share no longer trusted to its namespace (for the log)."""
+
+    key: str
+    why: str
+    was_trusted: bool  # it ran on its namespace limit until now
+
+
+def read_uids(
+    grants: Sequence[tuple[str, MpsGrant]], uids_of: Callable[[str, str], frozenset[int]] | None
+) -> dict[str, tuple[int, frozenset[int]]]:
+    """The uids of every share with a namespace (``uids_of(pod uid, container)``; None:
+    nothing to read them by, so none will be trusted): key -> (GPU, uids)."""
+    readings = {}
+    for key, grant in grants:
+        if grant.namespace is not None:
+            pod_uid, _, container = key.partition("/")
+            readings[key] = (grant.gpu, uids_of(pod_uid, container) if uids_of is not None else frozenset())
+    return readings
+
+
+class NamespaceTrust:
+    """The trust decisions of one node's v3 shares, keyed ``pod uid/container``. Not
+    thread-safe: the sharing lock serialises its callers."""
+
+    def __init__(self, daemon_uid: int) -> None:
+        self.daemon_uid = daemon_uid
+        self._trusted: set[str] = set()
+        self._refused: dict[str, str] = {}  # key -> why; kept until the share goes
+
+    def update(self, readings: Mapping[str, tuple[int, frozenset[int]]]) -> list[Moved]:
+        """One reading of every v3 share: key -> (GPU, its processes' uids; empty: none
+        read). Returns (and logs) the shares that lost trust now."""
+        for key in (self._trusted | self._refused.keys()) - readings.keys():
+            self._trusted.discard(key)
+            self._refused.pop(key, None)
+        owners: dict[int, list[str]] = {}
+        for key, (gpu, uids) in sorted(readings.items()):
+            if self.daemon_uid in uids:
+                owners.setdefault(gpu, []).append(key)
+        moved = []
+        for key, (gpu, uids) in sorted(readings.items()):
+            if key in self._refused:
+                continue
+            on_gpu = owners.get(gpu, [])
+            if key in on_gpu:
+                why = (
+                    f"runs as uid {self.daemon_uid}, the MPS daemon's user: it could change its own "
+                    "namespace's limit; held by the freezer"
+                )
+            elif on_gpu:
+                why = (
+                    f"{on_gpu[0]} on the same GPU runs as uid {self.daemon_uid}, the MPS daemon's "
+                    "user: it could change this share's namespace's limit too; held by the freezer"
+                )
+            else:
+                if uids:
+                    self._trusted.add(key)
+                continue
+            moved.append(Moved(key, why, key in self._trusted))
+            self._trusted.discard(key)
+            self._refused[key] = why
+        for m in moved:
+            before = "was on its namespace limit until now" if m.was_trusted else "not trusted before either"
+            log.warning("MPS v3: %s %s (%s)", m.key, m.why, before)
+        return moved
+
+    def why_not(self, key: str) -> str | None:
+        """Why the share is not trusted to its namespace (None: it is)."""
+        if key in self._refused:
+            return self._refused[key]
+        return None if key in self._trusted else PENDING

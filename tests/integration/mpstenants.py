@@ -1,0 +1,72 @@
+"""MPS tenants of an enforced simulated node as real processes of any uid: the system's Python
+with the standard library only (a checkout may sit where uid 1000 cannot read it), talking
+to the GPU server and, to cheat, to the MPS control socket every client reaches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from agent.emulators.containers import RunningContainer
+from agent.emulators.enforcednode import EnforcedNode, pod_manifest
+from agent.platform.mpsv3 import namespace_name
+
+SYSTEM_PYTHON = str(Path(sys.base_exec_prefix) / "bin" / "python3")
+
+# argv: GPU server socket, GPU index, a control command to send first ("": none), kernels
+# queued per sync. Runs kernels as an MPS client with its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE.
+TENANT = """
+import json, os, socket, sys
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+if sys.argv[3]:
+    ctl = socket.socket(socket.AF_UNIX)
+    ctl.connect(pipe + "/control")
+    ctl.sendall(sys.argv[3].encode() + b"\\n\\n")
+    ctl.shutdown(socket.SHUT_WR)
+    print("control:", ctl.makefile().read().strip(), flush=True)
+gpu = socket.socket(socket.AF_UNIX)
+gpu.connect(sys.argv[1])
+replies = gpu.makefile()
+def ask(message):
+    gpu.sendall(json.dumps(message).encode() + b"\\n")
+    return json.loads(replies.readline())
+share = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+opened = ask({"op": "open", "gpu": int(sys.argv[2]), "share": share, "mps_pipe": pipe})
+assert opened["ok"], opened
+while True:
+    ask({"op": "launch", "count": int(sys.argv[4]), "kernel_ms": 2})
+    ask({"op": "sync"})
+"""
+
+
+def start_tenant(
+    node: EnforcedNode,
+    name: str,
+    cores: int,
+    *,
+    user: int | None,
+    lift: bool = False,
+    queue: int = 1,
+    env: dict[str, str] | None = None,
+) -> tuple[RunningContainer, Path, str]:
+    """A pod of ``cores`` as ``user`` (None: root), whose container (``lift``) first sets its
+    own MPS v3 namespace to 100 % through the control socket and asks for 100 % in its env;
+    ``queue``: kernels of 2 ms it queues at a time. Returns it, its pipe directory (host
+    path) and its namespace's name."""
+    admission = node.node.run_pod(pod_manifest(name, cores, 1024, {}))
+    response = admission.containers[0].response
+    envs = dict(response.envs)
+    mounts = {m.container_path: m.host_path for m in response.mounts}
+    pipe = Path(mounts[envs["CUDA_MPS_PIPE_DIRECTORY"]])
+    namespace = namespace_name(admission.pod.uid, "c")
+    sim = node.runtime.sim_state_dir
+    for path in (node.workdir, *(p for p in pipe.parents if p.is_relative_to(node.workdir)), pipe, sim):
+        path.chmod(0o755)  # a uid-1000 client must reach the GPU server's socket and the control socket
+    (sim / "gpu.sock").chmod(0o777)
+    (pipe / "control").chmod(0o777)
+    command = f"namespace set --name={namespace} --active-thread-percentage=100" if lift else ""
+    gpu = node.gpu_index(envs["VCUDA_GPU_UUIDS"].split(",")[0])
+    argv = [SYSTEM_PYTHON, "-c", TENANT, str(sim / "gpu.sock"), str(gpu), command, str(queue)]
+    own = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"} if lift else {}
+    box = node.start_container(admission, env={**own, **(env or {})}, user=user, command=argv)
+    return box, pipe, namespace
