@@ -81,23 +81,8 @@ class DirectoryWatch:
         """Events that arrive within ``timeout_s``; ``[]`` on timeout."""
         if self._fd < 0:
             raise PlatformError("the inotify watch is closed")
-        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
-        if not ready:
-            return []
-        try:
-            data = os.read(self._fd, 64 * 1024)
-        except BlockingIOError:
-            return []
-        except OSError as err:
-            raise PlatformError(f"reading inotify events for {self.directory} failed: {err}") from err
-        events: list[InotifyEvent] = []
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            _wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
-            raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
-            events.append(InotifyEvent(mask, os.fsdecode(raw.rstrip(b"\0"))))
-            offset += _HEADER.size + length
-        return events
+        records = _read_records(self._fd, timeout_s, f"for {self.directory} ")
+        return [InotifyEvent(mask, name) for _wd, mask, name in records]
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -155,25 +140,11 @@ class TreeWatch:
     def read(self, timeout_s: float) -> list[TreeEvent]:
         """Events that arrive within ``timeout_s``; ``[]`` on timeout. A lost directory's
         watch is dropped (its event still says so: ``watch_gone``)."""
-        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_s))
-        if not ready:
-            return []
-        try:
-            data = os.read(self._fd, 64 * 1024)
-        except BlockingIOError:
-            return []
-        except OSError as err:
-            raise PlatformError(f"reading inotify events failed: {err}") from err
         events: list[TreeEvent] = []
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
-            raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
-            offset += _HEADER.size + length
+        for wd, mask, name in _read_records(self._fd, timeout_s, ""):
             directory = self._dirs.get(wd) if mask & IN_IGNORED == 0 else self._forget(wd)
             if directory is not None or mask & IN_Q_OVERFLOW:
-                event = InotifyEvent(mask, os.fsdecode(raw.rstrip(b"\0")))
-                events.append(TreeEvent(directory or Path(), event))
+                events.append(TreeEvent(directory or Path(), InotifyEvent(mask, name)))
         return events
 
     def _forget(self, wd: int) -> Path | None:
@@ -188,3 +159,24 @@ class TreeWatch:
             self._fd = -1
             self._dirs.clear()
             self._paths.clear()
+
+
+def _read_records(fd: int, timeout_s: float, what: str) -> list[tuple[int, int, str]]:
+    """(watch descriptor, mask, name) of the events that arrive within ``timeout_s``."""
+    ready, _, _ = select.select([fd], [], [], max(0.0, timeout_s))
+    if not ready:
+        return []
+    try:
+        data = os.read(fd, 64 * 1024)
+    except BlockingIOError:
+        return []
+    except OSError as err:
+        raise PlatformError(f"reading inotify events {what}failed: {err}") from err
+    records = []
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+        raw = data[offset + _HEADER.size : offset + _HEADER.size + length]
+        records.append((wd, mask, os.fsdecode(raw.rstrip(b"\0"))))
+        offset += _HEADER.size + length
+    return records

@@ -5,9 +5,7 @@ only TLS, the probes stay open; an unusable certificate stops the start with a c
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -18,19 +16,7 @@ import pytest
 from tests.conftest import AgentProcess
 from tests.integration.kubecluster import Cluster
 from tests.integration.test_agent_process import run_agent
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl makes the test's certificate")
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-         "-days", "1", "-subj", "/CN=vcuda-agent", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+from tests.selfsigned import make_certificate
 
 
 def get(url: str, context: ssl.SSLContext, token: str | None = None) -> tuple[int, str]:

@@ -7,8 +7,6 @@ namespace."""
 
 from __future__ import annotations
 
-import os
-import stat
 import subprocess
 import sys
 import time
@@ -31,12 +29,13 @@ from agent.platform.gpu.inventory import ProcessMemory
 from agent.platform.procfs import ProcFS
 from agent.settings import MemoryQuotaMode
 from tests.integration.freezing import AGENT_SCRIPT, wait_for
+from tests.runtime import gpuprobe
 from tests.runtime.containerd import Container, PrivateContainerd
 
 pytestmark = pytest.mark.privileged
 
 REPO = Path(__file__).resolve().parents[2]
-GPUS = 2
+GPUS = gpuprobe.GPUS
 
 
 def resolver(containerd: PrivateContainerd) -> CgroupResolver:
@@ -68,13 +67,7 @@ def rules(containerd: PrivateContainerd, request: pytest.FixtureRequest) -> Devi
 @pytest.fixture
 def gpu_nodes(containerd: PrivateContainerd) -> tuple[Path, ...]:
     """Host device nodes /dev/nvidia<N> stand-ins (char 195:N; no driver behind them)."""
-    directory = containerd.workdir / "dev"
-    directory.mkdir(exist_ok=True)
-    nodes = tuple(directory / f"nvidia{minor}" for minor in range(GPUS))
-    for minor, node in enumerate(nodes):
-        if not node.exists():
-            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
-    return nodes
+    return gpuprobe.gpu_nodes(containerd)
 
 
 def open_gpu(containerd: PrivateContainerd, box: Container, node: Path) -> str:

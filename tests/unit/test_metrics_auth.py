@@ -8,9 +8,7 @@ a 503 (not cached), and the endpoint keeps serving."""
 from __future__ import annotations
 
 import json
-import shutil
 import ssl
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -33,6 +31,7 @@ from agent.settings import MetricsAuth, MetricsSettings
 from agent.surfaces.cli.main import build_parser
 from agent.surfaces.cli.run import settings_from_args
 from agent.surfaces.metrics.http import MetricsServer, tls_context
+from tests.selfsigned import make_certificate
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
@@ -164,15 +163,7 @@ def test_an_api_server_that_cannot_answer_is_a_503_never_cached(rig: Rig) -> Non
 
 
 def test_the_endpoint_serves_https_with_the_given_certificate(tmp_path: Path) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl makes the test's certificate")
-    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-         "-days", "1", "-subj", "/CN=vcuda-agent", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = make_certificate(tmp_path)
     registry = CollectorRegistry()
     Gauge("vcuda_up", "up", registry=registry).set(1)
     server = MetricsServer("127.0.0.1", 0, registry, lambda: (True, "ready"), tls=tls_context(cert, key))
