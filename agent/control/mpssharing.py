@@ -42,7 +42,7 @@ from pathlib import Path
 from agent.clock import Clock, SystemClock
 from agent.control.mpsgrants import MpsGrant, load_grants, mps_ceiling, save_grants
 from agent.control.mpsnamespacing import NamespaceBinder
-from agent.control.mpstrust import NamespaceTrust, read_uids
+from agent.control.mpstrust import NamespaceTrust, SpecRefusals, read_uids
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
@@ -111,7 +111,7 @@ class MpsSharing:
         v3 = capability is not None and capability.v3
         self.advisory_reason = None if v3 else advisory_reason
         self._root_risk = root_risk
-        self._refused: dict[str, str] = {}  # MPS v3: key -> why its pod spec got it no grant
+        self._refused = SpecRefusals()  # MPS v3: shares given no grant by their pod spec
         self._live = live  # (pod uid, container) of every ledger entry: grants of others go
         self._clock = clock or SystemClock()
         self.command = list(command)
@@ -152,12 +152,13 @@ class MpsSharing:
             )
         key = None if assignment is None else _key(assignment.pod_uid, assignment.container)
         if self._binder is not None and assignment is not None and key is not None and self._root_risk:
-            risk = self._root_risk(assignment)
-            if risk is not None:  # no pipe mount: it cannot reach the control socket at all
-                why = f"{risk}: could change its own MPS namespace; time-sliced and held by the freezer"
-                with self._lock:
-                    self._refused[key] = why
-                self._report(f"MPS v3: {key} gets no MPS grant: {why}")
+            risk, gpu = self._root_risk(assignment), item.gpus[0].index
+            with self._lock:
+                serving = sorted(k for k, g in self._grants.items() if g.gpu == gpu and k != key)
+                why = self._refused.decide(key, gpu, risk, serving)
+            if why is not None:  # no pipe mount: it cannot reach the control socket at all
+                level = logging.WARNING if serving else logging.INFO
+                log.log(level, "MPS v3: %s gets no MPS grant: %s", key, why)
                 return None
         grant = self._grant(item.gpus[0], ceiling, memory, key)
         if grant is not None and key is not None:
@@ -357,7 +358,7 @@ class MpsSharing:
     def refused(self, pod_uid: str, container: str) -> str | None:
         """Why an MPS v3 share got no grant from its pod spec (None: it was not refused)."""
         with self._lock:
-            return self._refused.get(_key(pod_uid, container))
+            return self._refused.why(_key(pod_uid, container))
 
     def blind_share(self, pod_uid: str, container: str) -> float | None:
         """The share of the GPU the freezer holds an untrusted v3 share to (None: trusted)."""
@@ -369,7 +370,7 @@ class MpsSharing:
     def forget(self, keep: set[tuple[str, str]]) -> None:
         """Drop the grants of containers no longer in the ledger."""
         with self._lock:
-            self._refused = {k: w for k, w in self._refused.items() if tuple(k.split("/", 1)) in keep}
+            self._refused.keep(lambda k: tuple(k.split("/", 1)) in keep)
             stale = [k for k in self._grants if tuple(k.split("/", 1)) not in keep]
             for k in stale:
                 grant = self._grants.pop(k)

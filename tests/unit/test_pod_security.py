@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agent.control.mpssharing import MpsSharing
+from agent.control.mpstrust import SpecRefusals
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.platform.gpu.inventory import GpuInfo
@@ -103,3 +104,22 @@ def test_on_v3_a_share_that_may_be_root_gets_no_mps_grant_and_status_says_why(tm
     assert sharing.refused("other", "c") is None
     sharing.forget(set())
     assert sharing.refused("root", "c") is None  # gone with its ledger entry
+
+
+def test_a_gpu_holding_a_time_sliced_share_stays_time_sliced_until_it_leaves() -> None:
+    refusals = SpecRefusals()
+    assert "may run as root" in (refusals.decide("root/c", 0, "may run as root (x)", []) or "")
+    # a non-root share on the same GPU: its daemon could not attach beside a plain context
+    beside = refusals.decide("user/c", 0, None, [])
+    assert beside is not None and "GPU 0 holds root/c, time-sliced" in beside, beside
+    assert refusals.decide("other/c", 1, None, []) is None  # another GPU is not concerned
+    refusals.keep(lambda k: k == "other/c")  # both left the ledger
+    assert refusals.decide("user/c", 0, None, []) is None and refusals.why("root/c") is None
+
+
+def test_a_root_share_on_a_gpu_that_serves_mps_clients_is_told_what_happens_to_it() -> None:
+    refusals = SpecRefusals()
+    why = refusals.decide("root/c", 0, "may run as root (x)", ["user/c"]) or ""
+    assert "already serves MPS clients, user/c" in why and "EXCLUSIVE_PROCESS" in why, why
+    # the next non-root share joins the daemon's clients
+    assert refusals.decide("user2/c", 0, None, ["user/c"]) is None
