@@ -327,9 +327,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--pods-claim-non-root",
         action="store_true",
         help="with --driver-mps-v3: the pods' specs prove non-root (runAsUser 1000, runAsNonRoot, "
-        "allowPrivilegeEscalation: false), so each gets an MPS v3 namespace; the bench's workloads "
-        "still run as root, so the agent's uid readings take that trust back (the backstop). "
-        "Default: no securityContext, as most pods: no MPS grant, the time-sliced freezer",
+        "allowPrivilegeEscalation: false), so each gets an MPS v3 namespace; with --model they run "
+        "as uids 1000+n, for real the bench's workloads still run as root, so the agent's uid "
+        "readings take that trust back (the backstop). Default: no securityContext, as most pods: "
+        "no MPS grant, the time-sliced freezer",
     )
     parser.add_argument(
         "--mps-samples",
