@@ -318,20 +318,28 @@ def test_a_pod_whose_spec_may_run_as_root_gets_no_mps_grant_and_is_held_at_its_s
     # no MPS grant at all (no CUDA_MPS_* variables, no pipe mount: it cannot reach the control
     # socket), runs as a plain time-sliced context, and the freezer holds it by its own NVML
     # samples. It still tries to lift itself (its env says 100 %): without MPS that is nothing.
+    # A non-root pod that comes to the same GPU is time-sliced too (a daemon would not attach
+    # beside that context) and keeps its fixed share.
     real_layout()
     with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
-        box, pipe, _ = start_tenant(node, "root", 30, user=None, lift=True, security=None)
+        box, pipe, _ = start_tenant(node, "root", 30, user=None, lift=True, queue=16, security=None)
         response = node.responses["root"]
         assert pipe is None and not [k for k in response.envs if k.startswith("CUDA_MPS_")], response
         assert not [m for m in response.mounts if "mps" in m.container_path], response
-        row = wait_for(
-            lambda: (r := held(node, "root")) and r.get("computeHeldBy") == "freezer" and r, 10, "held"
-        )
-        assert "may run as root" in row["computeDetail"], row
-        assert "time-sliced and held by the freezer" in row["computeDetail"], row
+        user, user_pipe, _ = start_tenant(node, "user", 60, user=TENANT_UID, queue=16)
+        assert user_pipe is None
+
+        def both() -> list[dict[str, Any]] | None:
+            rows = [held(node, "root"), held(node, "user")]
+            return rows if all(r.get("computeHeldBy") == "freezer" for r in rows) else None
+
+        rows = wait_for(both, 10, "both held by the freezer")
+        assert "may run as root" in rows[0]["computeDetail"], rows
+        assert "time-sliced and held by the freezer" in rows[0]["computeDetail"], rows
+        assert "holds " in rows[1]["computeDetail"] and "time-sliced" in rows[1]["computeDetail"], rows
         time.sleep(SETTLE_S)
-        used = node.utilization([box], MEASURE_S)[0]
-        assert used == pytest.approx(30, abs=3), used
+        used = node.utilization([box, user], MEASURE_S)
+        assert used == pytest.approx([30, 60], abs=3), used
         gpu = fetch_status(node.state_dir / "status.sock")["gpus"][0]
         assert gpu["mpsDaemon"] is None or gpu["mpsDaemon"]["state"] != "running", gpu  # no MPS client
         assert "gets no MPS grant" in node.agent_log()
