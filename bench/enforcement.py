@@ -22,7 +22,8 @@ its use per second of being on, against the target.
     sudo .venv/bin/python bench/enforcement.py [--pattern train,infer,graph,bursty,burn]
         [--sample-period S] [--timeslice-ms MS] [--kernel-ms MS] [--seed N] [--seconds S]
         [--sample-delay S] [--sample-jitter S] [--settle S] [--model]
-        [--actuator freezer|mps|auto [--mps-advisory-limits] [--driver-mps-v3]] [--mps-samples server|client]
+        [--actuator freezer|mps|auto [--mps-advisory-limits] [--driver-mps-v3 [--pods-claim-non-root]]]
+        [--mps-samples server|client]
 
 ``--actuator mps`` (or ``auto``, the same on the engine, which can always run MPS) runs the
 agent in sharing mode mps. As the product does by default, that uses no MPS limit a tenant
@@ -33,7 +34,9 @@ add the scenario of a tenant with 10 cores that sets CUDA_MPS_ACTIVE_THREAD_PERC
 its own env beside fixed 50 and fixed 40 (RESULT ``mps_cheat_gain_pp``: its use over its
 grant; its rows are left out of every other figure). ``--driver-mps-v3``: the engine's driver
 has MPS v3 (r615+), the agent detects it and binds each share's limits to its cgroup on the
-daemon's side, where the tenant's env cannot raise them (unverified on hardware).
+daemon's side, where the tenant's env cannot raise them (unverified on hardware), for pods
+whose spec proves they cannot run as root (``--pods-claim-non-root``; without it the pods have
+no securityContext and get no MPS grant: the time-sliced freezer holds them).
 
 Last line: ``RESULT max_abs_error_pp=... max_settle_s=... burn_error_pp=... infer_p99_ms=...``
 (max_abs_error_pp and max_settle_s over every capped container of every pattern but burn),
@@ -87,6 +90,7 @@ CHEAT = (
     [Box("t", 10, "fixed-share", cheat=True), Box("a", 50, "fixed-share"), Box("b", 40, "fixed-share")],
 )
 CHEAT_ENV = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
+NON_ROOT_SPEC = {"runAsUser": 1000, "runAsNonRoot": True, "allowPrivilegeEscalation": False}
 
 
 def pattern_spec(pattern: str, kernel_ms: float | None, seed: int) -> PatternSpec:
@@ -256,7 +260,12 @@ def run_real(boxes: list[Box], spec: PatternSpec, args: argparse.Namespace, work
             env = CHEAT_ENV if box.cheat else None
             running.append(
                 node.run_pod(
-                    f"pod-{box.name}", box.cores, annotations={POLICY: box.policy}, extra=extra, env=env
+                    f"pod-{box.name}",
+                    box.cores,
+                    annotations={POLICY: box.policy},
+                    extra=extra,
+                    env=env,
+                    security=NON_ROOT_SPEC if args.pods_claim_non_root else None,
                 )
             )
         windows: list[list[float]] = [[] for _ in boxes]
@@ -313,6 +322,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --actuator mps/auto: an r615+ driver whose MPS daemon binds limits to cgroups "
         "(MPS v3 namespaces; the agent detects it and uses them: enforceable, unverified on hardware)",
+    )
+    parser.add_argument(
+        "--pods-claim-non-root",
+        action="store_true",
+        help="with --driver-mps-v3: the pods' specs prove non-root (runAsUser 1000, runAsNonRoot, "
+        "allowPrivilegeEscalation: false), so each gets an MPS v3 namespace; with --model they run "
+        "as uids 1000+n, for real the bench's workloads still run as root, so the agent's uid "
+        "readings take that trust back (the backstop). Default: no securityContext, as most pods: "
+        "no MPS grant, the time-sliced freezer",
     )
     parser.add_argument(
         "--mps-samples",

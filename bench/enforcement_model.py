@@ -142,8 +142,11 @@ def run_model(
     specs = [box_spec(b) for b in boxes]
     # The engine can always run MPS; the product uses its limits only where it may (they are
     # advisory on every driver: agent.control.mpssharing), else the freezer holds the shares.
-    # With an MPS v3 driver (--driver-mps-v3) the limits are the daemon's, per cgroup: used.
+    # With an MPS v3 driver (--driver-mps-v3) the limits are the daemon's, per cgroup: used for
+    # pods whose spec proves non-root (--pods-claim-non-root; here they run as uids 1000+n);
+    # the others get no MPS grant at Allocate and are time-sliced under the freezer.
     v3 = args.actuator in ("mps", "auto") and getattr(args, "driver_mps_v3", False)
+    v3 = v3 and getattr(args, "pods_claim_non_root", False)
     mps = continuous or (args.actuator in ("mps", "auto") and (args.mps_advisory_limits or v3))
     control = MpsControl(MPS_SERVER_PID, protocol=3) if v3 and not continuous else None
     enforcer = model_enforcer(

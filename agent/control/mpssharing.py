@@ -42,7 +42,7 @@ from pathlib import Path
 from agent.clock import Clock, SystemClock
 from agent.control.mpsgrants import MpsGrant, load_grants, mps_ceiling, save_grants
 from agent.control.mpsnamespacing import NamespaceBinder
-from agent.control.mpstrust import NamespaceTrust, read_uids
+from agent.control.mpstrust import NamespaceTrust, SpecRefusals, read_uids
 from agent.domain.ledger import Assignment
 from agent.domain.requests import ResolvedRequest
 from agent.domain.specs import EnforcementSpec
@@ -90,13 +90,16 @@ class MpsSharing:
         advisory_allowed: Callable[[], bool] | None = None,
         advisory_reason: str | None = ADVISORY,
         capability: MpsCapability | None = None,
+        root_risk: Callable[[Assignment], str | None] | None = None,
         clock: Clock | None = None,
     ) -> None:
         """``fixed_on(gpu, assignment)``: the fixed-share caps on ``gpu`` of shares other than
         ``assignment``'s; ``advisory_allowed``: whether limits a tenant can lift may be used
         now (default: the settings'); ``advisory_reason``: why this driver's MPS limits are
         advisory (None: they are not); ``capability``: what the node's driver offers (MPS v3
-        makes the limits the daemon's: not advisory)."""
+        makes the limits the daemon's: not advisory); ``root_risk``: why a container's pod spec
+        does not prove it cannot run as root (None: proven; MPS v3 gives such a share no grant;
+        no callable: no pod model, the uid readings alone decide)."""
         self.settings = settings
         self._gpus = {g.index: g for g in gpus}
         self._mode = mode
@@ -107,6 +110,8 @@ class MpsSharing:
         self.capability = capability
         v3 = capability is not None and capability.v3
         self.advisory_reason = None if v3 else advisory_reason
+        self._root_risk = root_risk
+        self._refused = SpecRefusals()  # MPS v3: shares given no grant by their pod spec
         self._live = live  # (pod uid, container) of every ledger entry: grants of others go
         self._clock = clock or SystemClock()
         self.command = list(command)
@@ -146,6 +151,15 @@ class MpsSharing:
                 spec.memory_quota_mib,
             )
         key = None if assignment is None else _key(assignment.pod_uid, assignment.container)
+        if self._binder is not None and assignment is not None and key is not None and self._root_risk:
+            risk, gpu = self._root_risk(assignment), item.gpus[0].index
+            with self._lock:
+                serving = sorted(k for k, g in self._grants.items() if g.gpu == gpu and k != key)
+                why = self._refused.decide(key, gpu, risk, serving)
+            if why is not None:  # no pipe mount: it cannot reach the control socket at all
+                level = logging.WARNING if serving else logging.INFO
+                log.log(level, "MPS v3: %s gets no MPS grant: %s", key, why)
+                return None
         grant = self._grant(item.gpus[0], ceiling, memory, key)
         if grant is not None and key is not None:
             with self._lock:
@@ -341,6 +355,11 @@ class MpsSharing:
                 return None
             return self.trust.why_not(key)
 
+    def refused(self, pod_uid: str, container: str) -> str | None:
+        """Why an MPS v3 share got no grant from its pod spec (None: it was not refused)."""
+        with self._lock:
+            return self._refused.why(_key(pod_uid, container))
+
     def blind_share(self, pod_uid: str, container: str) -> float | None:
         """The share of the GPU the freezer holds an untrusted v3 share to (None: trusted)."""
         grant = self.grant(pod_uid, container)
@@ -351,6 +370,7 @@ class MpsSharing:
     def forget(self, keep: set[tuple[str, str]]) -> None:
         """Drop the grants of containers no longer in the ledger."""
         with self._lock:
+            self._refused.keep(lambda k: tuple(k.split("/", 1)) in keep)
             stale = [k for k in self._grants if tuple(k.split("/", 1)) not in keep]
             for k in stale:
                 grant = self._grants.pop(k)

@@ -103,3 +103,52 @@ class NamespaceTrust:
         if key in self._refused:
             return self._refused[key]
         return None if key in self._trusted else PENDING
+
+
+TIME_SLICED = "time-sliced and held by the freezer"
+
+
+class SpecRefusals:
+    """MPS v3 shares given no grant at Allocate because their pod spec does not prove they
+    cannot run as root (no pipe mount: they cannot reach the control socket at all), and the
+    GPUs they keep time-sliced. A GPU serves MPS clients or time-sliced contexts, not both:
+    with EXCLUSIVE_PROCESS (advised for MPS, and what the engine models) a context that does
+    not come through the daemon is refused, and in DEFAULT compute mode it time-slices with
+    the MPS server, taking its slices from every client's share. So a share that arrives on a
+    GPU holding a time-sliced share is time-sliced too (the daemon would not attach beside its
+    context). Not thread-safe: :class:`MpsSharing` calls it under its lock."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, tuple[int, str]] = {}  # key -> (GPU, why)
+
+    def decide(self, key: str, gpu: int, risk: str | None, serving: Sequence[str]) -> str | None:
+        """Why ``key`` gets no grant (None: it may have one). ``risk``: why its spec may run
+        as root; ``serving``: the MPS clients its GPU's daemon already serves."""
+        why = None
+        if risk is not None:
+            why = f"{risk}: could change its own MPS namespace; {TIME_SLICED}"
+            if serving:
+                why += (
+                    f" (its GPU already serves MPS clients, {', '.join(serving)}: under EXCLUSIVE_PROCESS"
+                    " its CUDA context is refused; in DEFAULT compute mode it time-slices with the MPS"
+                    " server)"
+                )
+        elif not serving:  # where the daemon serves clients already, the next one joins them
+            others = sorted(k for k, (g, _w) in self._by_key.items() if g == gpu and k != key)
+            if others:
+                why = (
+                    f"GPU {gpu} holds {others[0]}, time-sliced (its spec may run as root): MPS clients and "
+                    f"time-sliced contexts do not share a GPU; {TIME_SLICED}"
+                )
+        if why is None:
+            self._by_key.pop(key, None)
+        else:
+            self._by_key[key] = (gpu, why)
+        return why
+
+    def why(self, key: str) -> str | None:
+        found = self._by_key.get(key)
+        return None if found is None else found[1]
+
+    def keep(self, live: Callable[[str], bool]) -> None:
+        self._by_key = {k: v for k, v in self._by_key.items() if live(k)}

@@ -70,16 +70,24 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 
 def pod_manifest(
-    name: str, cores: int, memory_mib: int | None, annotations: Mapping[str, str]
+    name: str,
+    cores: int,
+    memory_mib: int | None,
+    annotations: Mapping[str, str],
+    security: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``security``: the container's securityContext (None: none, as most pods)."""
     limits = {"nvidia.com/vcuda-core": str(cores)}
     if memory_mib is not None:
         limits["nvidia.com/vcuda-memory"] = str(memory_mib)
+    container: dict[str, Any] = {"name": "c", "image": "cuda", "resources": {"limits": limits}}
+    if security is not None:
+        container["securityContext"] = dict(security)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": "default", "annotations": dict(annotations)},
-        "spec": {"containers": [{"name": "c", "image": "cuda", "resources": {"limits": limits}}]},
+        "spec": {"containers": [container]},
     }
 
 
@@ -160,11 +168,15 @@ class EnforcedNode:
         workload_mib: int = 0,
         extra: tuple[str, ...] = (),
         env: Mapping[str, str] | None = None,
+        security: Mapping[str, Any] | None = None,
     ) -> RunningContainer:
         """Create and admit the pod (Allocate over real gRPC), start its container, and wait
         until its workload runs (a capped container's start-up runs throttled too). ``env``:
-        the container spec's own env, which wins over Allocate's, as kubelet merges them."""
-        manifest = pod_manifest(name, cores, memory_mib if cores < 100 else None, annotations or {})
+        the container spec's own env, which wins over Allocate's, as kubelet merges them;
+        ``security``: the container's securityContext in the pod spec (its process runs as
+        root here whatever that says)."""
+        memory = memory_mib if cores < 100 else None
+        manifest = pod_manifest(name, cores, memory, annotations or {}, security)
         admission = self.node.run_pod(manifest)
         return self.start_container(admission, busy=busy, workload_mib=workload_mib, extra=extra, env=env)
 

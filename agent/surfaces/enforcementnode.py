@@ -341,8 +341,9 @@ class EnforcementIntegration:
             return "mps+freezer", grant.describe()
         if spec.ceiling is None:
             return "none", f"{spec.policy} is never throttled"
+        refused = self.sharing.refused(spec.pod_uid, spec.container) if self.sharing is not None else None
         why = self.sharing.why_not(spec.gpus[0]) if self.sharing is not None and spec.gpus else None
-        return "freezer", why or "started before its GPU's MPS daemon was up"
+        return "freezer", refused or why or "started before its GPU's MPS daemon was up"
 
     def memory_holder(self, spec: EnforcementSpec) -> tuple[str, str]:
         """What holds the container's GPU memory quota, and how or why."""

@@ -9,6 +9,8 @@ from agent.control.mpssharing import MpsSharing
 from agent.domain.annotations import Policy
 from agent.domain.ledger import Assignment
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
+from agent.platform.kube.pods import PodInfo
+from agent.platform.kube.podsecurity import NO_SPEC
 from agent.platform.mpsdaemon import probe_command
 from agent.platform.mpsv3 import MpsCapability, detect
 from agent.settings import SharingMode, SharingSettings
@@ -73,7 +75,14 @@ def build_sharing(
         live=kube.ledger.keys,
         advisory_allowed=advisory_allowed,
         capability=capability,
+        root_risk=lambda a: container_root_risk(kube.pods.get(a.pod_uid), a.container),
     )
+
+
+def container_root_risk(pod: PodInfo | None, container: str) -> str | None:
+    """Why a container's pod spec does not prove it cannot run as root (None: proven)."""
+    found = None if pod is None else pod.container(container)
+    return NO_SPEC if found is None else found.root_risk
 
 
 def mps_capability(command: list[str], gpus: Sequence[GpuInfo], *, wanted: bool) -> MpsCapability | None:

@@ -263,12 +263,15 @@ def held(node: EnforcedNode, pod: str) -> dict[str, Any]:
 @pytest.mark.privileged
 def test_a_root_tenant_that_lifts_its_namespace_is_held_at_its_grant_by_the_freezer(short_dir: Path) -> None:
     # The daemon runs as root (the agent's user) and refuses namespace administration only
-    # to other uids: a tenant running as uid 0 changes its own namespace's limit. The agent
-    # reads its uid, does not trust it to its namespace, and the freezer holds it, blind
-    # (NVML credits its work to the MPS server), to its grant's share of the GPU.
+    # to other uids: a tenant running as uid 0 changes its own namespace's limit. Its pod
+    # spec claims non-root (so it got a grant), yet its process runs as uid 0 (the backstop
+    # for a spec the runtime did not honour): the agent reads its uid, does not trust it to
+    # its namespace, and the freezer holds it, blind (NVML credits its work to the MPS
+    # server), to its grant's share of the GPU.
     real_layout()
     with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
         box, pipe, namespace = start_tenant(node, "root", 10, user=None, lift=True)
+        assert pipe is not None
         assert send_commands(pipe, [f"namespace get --name={namespace}"])[0].startswith("100.0 ")  # it worked
         row = wait_for(lambda: (r := held(node, "root")) and "uid 0" in r["computeDetail"] and r, 10, "held")
         assert row["computeHeldBy"] == "freezer", row
@@ -293,6 +296,7 @@ def test_a_uid_1000_tenant_cannot_lift_its_namespace_and_stays_on_it(short_dir: 
     real_layout()
     with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
         box, pipe, namespace = start_tenant(node, "tenant", 10, user=TENANT_UID, lift=True)
+        assert pipe is not None
         row = wait_for(
             lambda: held(node, "tenant").get("computeHeldBy") == "mps+freezer" and held(node, "tenant"),
             10,
@@ -304,6 +308,41 @@ def test_a_uid_1000_tenant_cannot_lift_its_namespace_and_stays_on_it(short_dir: 
         used = node.utilization([box], MEASURE_S)[0]
         assert used == pytest.approx(effective_share(10, SMS) * 100, abs=2), used
         assert "uid 0" not in fetch_status(node.state_dir / "status.sock")["gpus"][0]["sharingReason"]
+
+
+@pytest.mark.privileged
+def test_a_pod_whose_spec_may_run_as_root_gets_no_mps_grant_and_is_held_at_its_share_time_sliced(
+    short_dir: Path,
+) -> None:
+    # No securityContext (most pods): it may run as the daemon's uid, so at Allocate it gets
+    # no MPS grant at all (no CUDA_MPS_* variables, no pipe mount: it cannot reach the control
+    # socket), runs as a plain time-sliced context, and the freezer holds it by its own NVML
+    # samples. It still tries to lift itself (its env says 100 %): without MPS that is nothing.
+    # A non-root pod that comes to the same GPU is time-sliced too (a daemon would not attach
+    # beside that context) and keeps its fixed share.
+    real_layout()
+    with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=AGENT) as node:
+        box, pipe, _ = start_tenant(node, "root", 30, user=None, lift=True, queue=16, security=None)
+        response = node.responses["root"]
+        assert pipe is None and not [k for k in response.envs if k.startswith("CUDA_MPS_")], response
+        assert not [m for m in response.mounts if "mps" in m.container_path], response
+        user, user_pipe, _ = start_tenant(node, "user", 60, user=TENANT_UID, queue=16)
+        assert user_pipe is None
+
+        def both() -> list[dict[str, Any]] | None:
+            rows = [held(node, "root"), held(node, "user")]
+            return rows if all(r.get("computeHeldBy") == "freezer" for r in rows) else None
+
+        rows = wait_for(both, 10, "both held by the freezer")
+        assert "may run as root" in rows[0]["computeDetail"], rows
+        assert "time-sliced and held by the freezer" in rows[0]["computeDetail"], rows
+        assert "holds " in rows[1]["computeDetail"] and "time-sliced" in rows[1]["computeDetail"], rows
+        time.sleep(SETTLE_S)
+        used = node.utilization([box, user], MEASURE_S)
+        assert used == pytest.approx([30, 60], abs=3), used
+        gpu = fetch_status(node.state_dir / "status.sock")["gpus"][0]
+        assert gpu["mpsDaemon"] is None or gpu["mpsDaemon"]["state"] != "running", gpu  # no MPS client
+        assert "gets no MPS grant" in node.agent_log()
 
 
 def test_the_agent_trusts_a_namespace_by_its_shares_uids_and_opens_an_untrusted_one_to_the_freezer(

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from agent.errors import PodFormatError
+from agent.platform.kube.podsecurity import NO_SPEC, root_risk
 
 CORE_RESOURCE = "nvidia.com/vcuda-core"
 MEMORY_RESOURCE = "nvidia.com/vcuda-memory"
@@ -55,6 +56,8 @@ class ContainerInfo:
     container_id: str = ""  # status containerID without the scheme ("" until it started)
     runtime: str = ""  # the scheme of containerID: "containerd", "cri-o", "docker"
     claims: tuple[str, ...] = ()  # resources.claims[].name: the pod's DRA claims it uses
+    # Why its spec does not prove it can neither run as root nor become root (None: proven).
+    root_risk: str | None = NO_SPEC
 
     def quantity(self, resource: str) -> int:
         """The integer quantity of ``resource`` (0 if absent); ValueError if malformed."""
@@ -128,10 +131,13 @@ def _parse(obj: Mapping[str, Any]) -> PodInfo:
     ids = _container_ids(status.get("initContainerStatuses"))
     ids.update(_container_ids(status.get("containerStatuses")))
     extended = _extended_claim(status.get("extendedResourceClaimStatus"))
+    pod_sc = spec.get("securityContext")
     containers = [
-        _container(c, i, True, ids, extended) for i, c in enumerate(spec.get("initContainers") or [])
+        _container(c, i, True, ids, extended, pod_sc) for i, c in enumerate(spec.get("initContainers") or [])
     ]
-    containers += [_container(c, i, False, ids, extended) for i, c in enumerate(spec.get("containers") or [])]
+    containers += [
+        _container(c, i, False, ids, extended, pod_sc) for i, c in enumerate(spec.get("containers") or [])
+    ]
     claims = _resource_claims(spec.get("resourceClaims"), status.get("resourceClaimStatuses"))
     if extended[1]:
         claims[EXTENDED_CLAIM] = extended[1]
@@ -182,12 +188,13 @@ def _extended_claim(raw: Any) -> tuple[frozenset[str], str]:
     return users, str(raw.get("resourceClaimName") or "")
 
 
-def _container(
+def _container(  # noqa: PLR0917 (one call site per list of containers)
     raw: Mapping[str, Any],
     index: int,
     init: bool,
     ids: Mapping[str, str],
     extended: tuple[frozenset[str], str] = (frozenset(), ""),
+    pod_security: Any = None,
 ) -> ContainerInfo:
     name = str(raw.get("name") or "")
     resources = raw.get("resources") or {}
@@ -202,6 +209,7 @@ def _container(
         runtime=runtime,
         claims=tuple(str(c.get("name")) for c in resources.get("claims") or [] if c.get("name"))
         + ((EXTENDED_CLAIM,) if name in extended[0] and extended[1] else ()),
+        root_risk=root_risk(pod_security, raw.get("securityContext")),
     )
 
 
