@@ -175,8 +175,13 @@ def test_clients_of_two_user_ids_are_reported_not_left_waiting_in_silence(mps_no
     assert "the others wait" in reason
     # Alive and without a context: it waits for root's server, as on a real node.
     assert waiting.proc.poll() is None and not mps_node.on_gpu(waiting)
-    events = [e for e in mps_node.api.events() if e.get("reason") == "GPUMpsUsersMixed"]
-    assert {e["involvedObject"]["name"] for e in events} == {"root", "tenant"}, events
+
+    # Events are posted after status changes (a queue of their own): wait for both.
+    def mixed_pods() -> set[str]:
+        events = mps_node.api.events()
+        return {e["involvedObject"]["name"] for e in events if e.get("reason") == "GPUMpsUsersMixed"}
+
+    wait_for(lambda: mixed_pods() == {"root", "tenant"}, 5, "a GPUMpsUsersMixed Event on each pod")
 
 
 _MPS_CLIENT = """
