@@ -27,7 +27,13 @@ REQUIRE_PRIVILEGED = os.environ.get("VCUDA_REQUIRE_PRIVILEGED") == "1"
 # two workers they run one after another (two at once on two cores was seen to cost them
 # their accuracy), beside the rest.
 MEASURING_CAPS = frozenset(
-    {"test_enforcement.py", "test_dra_enforcement.py", "test_mps_enforcement.py", "test_demo_live.py"}
+    {
+        "test_enforcement.py",
+        "test_dra_enforcement.py",
+        "test_mps_enforcement.py",
+        "test_mps_v3.py",
+        "test_demo_live.py",
+    }
 )
 
 

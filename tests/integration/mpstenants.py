@@ -17,8 +17,9 @@ SYSTEM_PYTHON = str(Path(sys.base_exec_prefix) / "bin" / "python3")
 NON_ROOT: dict[str, Any] = {"runAsUser": 1000, "runAsNonRoot": True, "allowPrivilegeEscalation": False}
 
 # argv: GPU server socket, GPU index, a control command to send first ("": none), kernels
-# queued per sync. Runs kernels as an MPS client with its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-# where Allocate gave it a pipe directory, else as a time-sliced context.
+# queued per sync, kernel length in ms. Runs kernels as an MPS client with its
+# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE where Allocate gave it a pipe directory, else as a
+# time-sliced context.
 TENANT = """
 import json, os, socket, sys
 pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "")
@@ -38,7 +39,7 @@ share = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
 opened = ask({"op": "open", "gpu": int(sys.argv[2]), "share": share, "mps_pipe": pipe})
 assert opened["ok"], opened
 while True:
-    ask({"op": "launch", "count": int(sys.argv[4]), "kernel_ms": 2})
+    ask({"op": "launch", "count": int(sys.argv[4]), "kernel_ms": float(sys.argv[5])})
     ask({"op": "sync"})
 """
 
@@ -51,12 +52,14 @@ def start_tenant(
     user: int | None,
     lift: bool = False,
     queue: int = 1,
+    kernel_ms: float = 2,
     env: dict[str, str] | None = None,
     security: dict[str, Any] | None = NON_ROOT,
 ) -> tuple[RunningContainer, Path | None, str]:
     """A pod of ``cores`` as ``user`` (None: root), whose container (``lift``) first sets its
     own MPS v3 namespace to 100 % through the control socket and asks for 100 % in its env;
-    ``queue``: kernels of 2 ms it queues at a time. Returns it, its pipe directory (host
+    ``queue``: kernels of ``kernel_ms`` it queues at a time (longer ones leave less of its
+    throughput to how soon a busy host lets it submit the next batch). Returns it, its pipe directory (host
     path, None: no MPS grant) and its namespace's name. ``security``: the container's
     securityContext in its pod spec (what the agent decides by; ``user`` is what it runs as)."""
     admission = node.node.run_pod(pod_manifest(name, cores, 1024, {}, security))
@@ -74,7 +77,7 @@ def start_tenant(
         (pipe / "control").chmod(0o777)
     command = f"namespace set --name={namespace} --active-thread-percentage=100" if lift else ""
     gpu = node.gpu_index(envs["VCUDA_GPU_UUIDS"].split(",")[0])
-    argv = [SYSTEM_PYTHON, "-c", TENANT, str(sim / "gpu.sock"), str(gpu), command, str(queue)]
+    argv = [SYSTEM_PYTHON, "-c", TENANT, str(sim / "gpu.sock"), str(gpu), command, str(queue), str(kernel_ms)]
     own = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"} if lift else {}
     box = node.start_container(admission, env={**own, **(env or {})}, user=user, command=argv)
     return box, pipe, namespace

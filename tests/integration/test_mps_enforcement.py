@@ -126,9 +126,9 @@ def test_on_an_mps_v3_driver_the_tenant_that_lifts_its_env_stays_at_its_grant(sh
     args = ("--device-guard", "off", "--no-ioctl-tracing", "--sharing-mode", "mps")
     with enforced_node(short_dir, gpu_args=("--driver-mps-v3",), agent_args=args) as node:
         lifted = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
-        cheat = start_tenant(node, "cheat", 10, user=TENANT_UID, queue=16, env=lifted)[0]
-        fixed50 = start_tenant(node, "fixed50", 50, user=TENANT_UID, queue=16)[0]
-        fixed40 = start_tenant(node, "fixed40", 40, user=TENANT_UID, queue=16)[0]
+        cheat = start_tenant(node, "cheat", 10, user=TENANT_UID, queue=16, kernel_ms=10, env=lifted)[0]
+        fixed50 = start_tenant(node, "fixed50", 50, user=TENANT_UID, queue=16, kernel_ms=10)[0]
+        fixed40 = start_tenant(node, "fixed40", 40, user=TENANT_UID, queue=16, kernel_ms=10)[0]
         trusted = dict.fromkeys(("cheat", "fixed50", "fixed40"), "mps+freezer")
         wait_for(
             lambda: {pod: row["computeHeldBy"] for pod, row in rows(node).items()} == trusted,
