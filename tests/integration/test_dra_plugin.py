@@ -246,6 +246,9 @@ def test_registration_socket_removed_or_registry_wiped(
     kubelet.restart(wipe=True)  # the registry directory re-created under the plugin
     registered(plugin, 3)
     assert plugin.status().restarts == 2
+    # The plugin counts a registration when kubelet's status reaches it; kubelet's own list
+    # of drivers is updated on its side of that exchange, a moment apart.
+    kubelet.wait_for_plugin(DRIVER)
     claim = allocated_claim("after")
     claims.put(claim)
     assert kubelet.prepare(DRIVER, [ref_of(claim)])[ref_of(claim).uid].error == ""
