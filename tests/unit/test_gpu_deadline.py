@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from agent.errors import DeviceSamplesUnsupportedError, GpuError, GpuHungError, NvmlError
+from agent.platform.gpu import guarded as guarded_module
 from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import (
     CALL_DEVICE_SAMPLES,
@@ -160,6 +161,27 @@ def test_a_hung_call_degrades_only_its_gpu_until_it_returns(
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith(f"GPU 1 degraded: {CALL_PROCESS_SAMPLES} has not returned") for m in messages)
     assert any(m.startswith(f"GPU 1 recovered: {CALL_PROCESS_SAMPLES} returned after") for m in messages)
+
+
+def test_a_caller_that_waited_the_deadline_sees_the_gpu_degraded_when_the_worker_started_late(
+    held: HeldBackend, guarded: GuardedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a busy host the worker thread picks a call up some time after it was submitted
+    # (CI saw it): the caller's wait, not the worker's clock, says the deadline has passed.
+    run = guarded_module._GpuWorker._run
+
+    def late_run(worker: Any) -> None:
+        time.sleep(DEADLINE_S / 3)
+        run(worker)
+
+    monkeypatch.setattr(guarded_module._GpuWorker, "_run", late_run)
+    held.hold(1)
+    with pytest.raises(GpuHungError, match=f"{CALL_PROCESS_SAMPLES} did not return within"):
+        guarded.process_samples(1, 0)
+    assert guarded.degraded(1) == f"{CALL_PROCESS_SAMPLES} did not return within {DEADLINE_S:g} s"
+    assert guarded.call_timeouts() == {(1, CALL_PROCESS_SAMPLES): 1}
+    held.let_go(1)
+    assert wait_until(lambda: guarded.degraded(1) is None), "the GPU did not recover"
 
 
 def test_submitted_calls_are_not_waited_for_and_collected_when_done(

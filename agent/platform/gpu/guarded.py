@@ -130,6 +130,17 @@ class _GpuWorker:
         with self._cond:
             return self._stuck()
 
+    def overdue(self, pending: PendingCall[Any]) -> str | None:
+        """Why the GPU is degraded after ``pending``'s caller waited the whole deadline.
+
+        The caller's clock starts at submission, the worker's when it picks the call up
+        (later on a busy host: thread start, scheduling); the caller's wait is the
+        evidence, so a running ``pending`` counts as past the deadline from here on."""
+        with self._cond:
+            if self._running is pending:
+                self._started_at = min(self._started_at, time.monotonic() - self._deadline_s)
+            return self._stuck()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -291,6 +302,6 @@ class GuardedBackend:
         if not pending.wait(self.deadline_s):
             worker = self._workers[pending.index]
             worker.cancel(pending)
-            reason = worker.degraded() or f"{pending.call} did not return within {self.deadline_s:g} s"
+            reason = worker.overdue(pending) or f"{pending.call} did not return within {self.deadline_s:g} s"
             raise GpuHungError(pending.index, pending.call, reason)
         return pending.result()
