@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
+from agent.control.mpsdaemons import DaemonPool
 from agent.control.mpsgrants import MpsGrant, load_grants, mps_ceiling, save_grants
 from agent.control.mpsnamespacing import NamespaceBinder
 from agent.control.mpstrust import NamespaceTrust, SpecRefusals, read_uids
@@ -49,7 +50,7 @@ from agent.domain.specs import EnforcementSpec
 from agent.errors import MpsUnavailableError
 from agent.platform.gpu.inventory import GpuInfo
 from agent.platform.gpu.mpspartition import partition_for, sm_count_for, throughput_curve_for
-from agent.platform.mpsdaemon import DaemonState, DaemonStatus, MpsDaemon, probe_command
+from agent.platform.mpsdaemon import DaemonState, DaemonStatus, probe_command
 from agent.platform.mpsv3 import MpsCapability, namespace_name
 from agent.settings import SharingMode, SharingSettings
 
@@ -104,7 +105,6 @@ class MpsSharing:
         self._gpus = {g.index: g for g in gpus}
         self._mode = mode
         self._spec_for = spec_for
-        self._shares_on = shares_on
         self._fixed_on = fixed_on
         self._advisory_allowed = advisory_allowed or (lambda: settings.advisory_limits)
         self.capability = capability
@@ -116,12 +116,18 @@ class MpsSharing:
         self._clock = clock or SystemClock()
         self.command = list(command)
         self.unavailable = probe_command(self.command)  # why MPS cannot run here; None: it can
-        daemon_command = [*self.command, "-p", "3"] if v3 else self.command
-        self._daemons = {g.index: MpsDaemon(g.index, g.uuid, daemon_command, settings.mps_root) for g in gpus}
+        self._pool = DaemonPool(
+            gpus,
+            [*self.command, "-p", "3"] if v3 else self.command,
+            settings.mps_root,
+            idle_stop_s=settings.idle_stop_s,
+            shares_on=shares_on,
+            report=self._report,
+        )
+        self._daemons = self._pool.daemons
         self._binder = NamespaceBinder(self.command) if v3 else None
         self.trust = NamespaceTrust(os.geteuid()) if v3 else None  # the daemon runs as the agent
         self._lock = threading.Lock()
-        self._idle_since: dict[int, float] = {}
         self._grants_file = settings.mps_root / "grants.json"
         self._grants: dict[str, MpsGrant] = self._load()
         self._reported: set[str] = set()
@@ -185,7 +191,7 @@ class MpsSharing:
             return None
         daemon = self._daemons[gpu.index]
         with self._lock:
-            self._idle_since.pop(gpu.index, None)
+            self._pool.in_use(gpu.index)
             try:
                 ready = daemon.wait_ready(self.settings.ready_timeout_s)
             except MpsUnavailableError as err:
@@ -275,35 +281,12 @@ class MpsSharing:
         any that died meanwhile on GPUs that still hold shares, or stop those that hold none."""
         wanted = self.mode() is not SharingMode.FREEZER and self.unavailable is None
         with self._lock:
-            for index, daemon in self._daemons.items():
-                if daemon.adopt_recorded() or not wanted or self._shares_on is None:
-                    continue
-                if self._shares_on(index) > 0:  # shares whose daemon died while no agent watched
-                    try:
-                        daemon.ensure(self._clock.monotonic())
-                    except MpsUnavailableError as err:
-                        self._report(f"GPU {index}: no MPS ({err})")
+            self._pool.resume(self._clock.monotonic(), start_missing=wanted)
 
     def tick(self) -> None:
         """Restart dead daemons; stop those whose GPU has held no share for idle_stop_s."""
-        now = self._clock.monotonic()
         with self._lock:
-            for index, daemon in self._daemons.items():
-                if daemon.state in (DaemonState.STOPPED, DaemonState.FAILED):
-                    continue
-                if self._shares_on is not None and self._shares_on(index) == 0:
-                    since = self._idle_since.setdefault(index, now)
-                    if now - since >= self.settings.idle_stop_s:
-                        log.info("GPU %d holds no share: stopping its MPS control daemon", index)
-                        daemon.stop()
-                        self._idle_since.pop(index, None)
-                        continue
-                else:
-                    self._idle_since.pop(index, None)
-                try:
-                    daemon.ensure(now)
-                except MpsUnavailableError as err:
-                    self._report(f"GPU {index}: no MPS ({err})")
+            self._pool.tick(self._clock.monotonic())
         if self._live is not None:
             self.forget(set(self._live()))
         self.bind_pending()
@@ -423,7 +406,7 @@ class MpsSharing:
         return "".join(f"; {k}: {why}" for k, why in whys if why is not None)
 
     def daemon_statuses(self) -> list[DaemonStatus]:
-        return [d.status() for d in self._daemons.values()]
+        return self._pool.statuses()
 
     # Persistence ----------------------------------------------------------------------------
     def _load(self) -> dict[str, MpsGrant]:
