@@ -80,6 +80,21 @@ def test_a_workload_below_its_cap_is_not_throttled() -> None:
     assert rig.gpu.containers["a"].freezes == []
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limit (bench/neighbours.py): a held container that keeps the GPU a fifth busy "
+    "takes all the time in turns of its own, and an unheld neighbour that yields to them starves",
+)
+def test_a_neighbour_under_its_cap_is_not_starved_by_a_held_one_that_keeps_the_gpu_partly_busy() -> None:
+    rig = Rig()
+    rig.add("n", PatternSpec("train", busy=0.2), spec("n", 20))
+    rig.add("g", PatternSpec("train", busy=0.2), spec("g", 40))
+    rig.run_for(30)
+    assert rig.mean("n", 10, 20) == pytest.approx(20, abs=3)
+    assert rig.mean("g", 10, 20) == pytest.approx(20, abs=3)
+    assert rig.gpu.longest_freeze("g") <= 2.0
+
+
 def test_burst_share_uses_idle_capacity_and_gives_it_back() -> None:
     rig = Rig()
     rig.add("a", TRAIN, spec("a", 30, Policy.BURST_SHARE))
