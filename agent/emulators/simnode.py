@@ -41,6 +41,11 @@ def sim_agent_command(
     cmd += ["--state-dir", str(state_dir or plugin_dir.parent / "agent-state")]
     # Its MPS daemons' pipe and log directories too (used in sharing modes mps and auto).
     cmd += ["--mps-root", str(plugin_dir.parent / "mps")]
+    if kube is not None and "--cgroup-root" not in extra and "--device-guard" not in extra:
+        # On the host's own cgroups the device guard would gate every pod under the real
+        # kubepods that this simulated node does not know (another test's containers, a
+        # real node's pods) to no GPU at all: it acts only where the node's cgroups are its own.
+        cmd += ["--device-guard", "off"]
     return [*cmd, *extra]
 
 
