@@ -109,7 +109,9 @@ def test_a_busy_workload_reads_full_and_an_idle_one_not_at_all(backend: Simulate
         wait_context(backend, idle.pid)
         time.sleep(EngineConfig().credit_window_s)  # the driver credits activity over 1 s
         busy_samples = samples_of(backend, 0, busy.pid, 2.0)
+        ran_before, started = truth(backend)[busy.pid], time.monotonic()
         _, busy_device = sampled(backend, 0, busy.pid, 1.0)
+        ran = 100 * (truth(backend)[busy.pid] - ran_before) / (time.monotonic() - started)
         idle_util, idle_device = sampled(backend, 1, idle.pid, 1.0)
         # NVML reads a busy loop at its SM activity (86.7 % on an H100) in every period; the
         # device reads busy.
@@ -118,7 +120,9 @@ def test_a_busy_workload_reads_full_and_an_idle_one_not_at_all(backend: Simulate
         assert all(activity - 6 <= u <= activity + 1 for u in busy_samples), (
             busy_samples
         )  # less its host gaps
-        assert busy_device >= 95, busy_device
+        # The device reads what ran: a busy loop, less the gaps a loaded host leaves in its
+        # submissions (CI's two cores, the suite beside it, saw 94.8).
+        assert ran >= 85 and busy_device == pytest.approx(ran, abs=4), (busy_device, ran)
         assert idle_util == 0 and idle_device == 0  # no GPU time: no samples at all
         memory = {m.pid: m.used_bytes for m in backend.process_memory(0)}
         assert memory == {busy.pid: 2048 * 1024 * 1024}
