@@ -85,7 +85,12 @@ def run_cell(
         known: list[GuardTarget] = []
         guard = DeviceGuard(lambda: list(known), resolver(containerd), rules, interval_s=2.0)
         no_gpu = DevicePolicy(None)
-        gate = PodGate(lambda uid: no_gpu, resolver(containerd), gate_rules(rules), interval_s=2.0)
+        ours: set[str] = set()  # kubepods is the host's: other pods there are left alone
+
+        def verdict(uid: str) -> DevicePolicy | None:
+            return no_gpu if uid in ours else None
+
+        gate = PodGate(verdict, resolver(containerd), gate_rules(rules), interval_s=2.0)
         with in_thread(guard.run, "device-guard"):
             for variant in VARIANTS:
                 context = in_thread(gate.run, "device-gate") if variant != "before" else _nothing()
@@ -94,6 +99,7 @@ def run_cell(
                         raise RuntimeError("the gate did not start watching")
                     for i in range(rounds):
                         uid = new_pod_uid()
+                        ours.add(uid)
                         if variant == "after":
                             make_pod_cgroup(containerd, uid)
                         out = workdir / f"{variant}-{i}"

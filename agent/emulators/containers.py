@@ -100,7 +100,7 @@ class ContainerRuntime:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGCONT)
                 c.proc.kill()
-            c.proc.wait(timeout=10)
+            c.proc.wait(timeout=30)  # (a loaded host was seen to take over 10 s)
         for path in sorted(self._made, key=lambda p: len(p.parts), reverse=True):
             remove_cgroup_dir(path)
         self.containers.clear()
