@@ -139,9 +139,13 @@ def test_sigkilled_agent_leaves_nothing_frozen_and_a_restart_resumes(rig: Enforc
     assert all(u > 25 for u in used), f"each over its cap of 20: {used}"
     rig.start_agent()
     # A new agent learns each container's drains again: turns settle in 9-22 s at the defaults
-    # (docs/benchmarks.md); 7 s then 6 s of measuring once left one 4.7 pp short.
+    # (docs/benchmarks.md). Held again means: an 8 s window with every one within 4 pp of its
+    # cap by 30 s after the restart (one fixed wait of 10 s once left one at 24.0).
+    restarted = time.monotonic()
     time.sleep(SETTLE_S + 5)
     used = rig.utilization(boxes, 8)
+    while not all(u == pytest.approx(20, abs=4) for u in used) and time.monotonic() - restarted < 30:
+        used = rig.utilization(boxes, 8)
     assert all(u == pytest.approx(20, abs=4) for u in used), used
 
 
