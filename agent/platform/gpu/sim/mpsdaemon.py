@@ -101,8 +101,12 @@ def serve_mps(state_dir: Path, environ: Mapping[str, str], protocol: int = 2) ->
     logs.mkdir(parents=True, exist_ok=True)
     control = pipe / "control"
     control.unlink(missing_ok=True)
+    # Bound under another name and renamed once the GPU is ours (EXCLUSIVE_PROCESS): a client
+    # that sees `control` finds a daemon that serves, not one still attaching.
+    binding = pipe / f".control.{os.getpid()}"
+    binding.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(control))
+    listener.bind(str(binding))
     listener.listen(16)
     (pipe / PID_FILE).write_text(f"{os.getpid()}\n")
     with (logs / "control.log").open("a") as journal:
@@ -114,6 +118,7 @@ def serve_mps(state_dir: Path, environ: Mapping[str, str], protocol: int = 2) ->
         gpu = Connection(root.socket)
         try:
             gpu.call({"op": "mps_attach", "gpu": index, "pipe": str(pipe), "protocol": protocol})
+            binding.rename(control)
             note(
                 f"Starting control daemon (protocol {protocol}) using socket {control} "
                 f"for GPU {index} ({uuid})"
@@ -122,6 +127,7 @@ def serve_mps(state_dir: Path, environ: Mapping[str, str], protocol: int = 2) ->
         finally:
             gpu.close()
             listener.close()
+            binding.unlink(missing_ok=True)
             control.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 (pipe / PID_FILE).unlink()
