@@ -39,6 +39,7 @@ from agent.emulators.simnode import sim_agent_command
 from agent.errors import PlatformError, SimulationError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import QosClass
+from agent.platform.cgroups.tree import remove_tree
 from agent.platform.gpu.sim.client import NodeClient, context_times
 from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.mpsdaemon import stop_recorded_daemons
@@ -342,7 +343,4 @@ def enforced_node(
             stop_process(node.gpu_server)
         kubelet.stop()
         api.stop()
-        for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if path.is_dir():
-                path.rmdir()
-        root.rmdir()
+        remove_tree(root)

@@ -4,10 +4,8 @@ system's). Skips, with the reason, where the binaries or root are missing; on CI
 
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 
 from agent.platform.cgroups.devicepolicy import NvidiaMajors
 from agent.platform.cgroups.devices_v2 import BpfDeviceRules
+from agent.platform.cgroups.tree import remove_tree
 from tests.runtime.containerd import PrivateContainerd, RuntimeUnavailable
 from tests.runtime.hostcaps import crun_v2_blocker
 
@@ -29,37 +28,13 @@ def _kubepods_dirs() -> list[Path]:
     return [root / KUBEPODS, *(d / KUBEPODS for d in sorted(root.iterdir()) if d.is_dir())]
 
 
-def _remove_tree(top: Path) -> None:
-    """Empty cgroup directories under ``top``, deepest first (runtimes leave the parents they made)."""
-    for path in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        _rmdir(path)
-    _rmdir(top)
-
-
-def _rmdir(path: Path, wait_s: float = 10.0) -> None:
-    """A cgroup is busy while a killed container's last process is still exiting, or its shim
-    still cleaning up: wait for it (under `make test`'s workers the session may end moments
-    after the last container)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:  # its runtime removed it meanwhile
-            return
-        except OSError as err:
-            if err.errno != errno.EBUSY or time.monotonic() >= deadline:
-                raise
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="session")
 def _kubepods_cleanup() -> Iterator[None]:
     existing = {p for p in _kubepods_dirs() if p.exists()}
     yield
     for top in _kubepods_dirs():
         if top.exists() and top not in existing:  # only what this session's containers made
-            _remove_tree(top)
+            remove_tree(top)  # tolerates cgroups their runtime removes meanwhile
 
 
 @pytest.fixture(scope="session")
