@@ -37,7 +37,8 @@ from agent.platform.cgroups.devicepolicy import DevicePolicy, DeviceRules, Nvidi
 from agent.platform.cgroups.devices_v1 import V1DeviceRules
 from agent.platform.cgroups.devices_v2 import BpfDeviceRules
 from agent.platform.cgroups.paths import qos_dir_names
-from tests.runtime.conftest import _kubepods_dirs, _remove_tree
+from agent.platform.cgroups.tree import remove_tree
+from tests.runtime.conftest import _kubepods_dirs
 from tests.runtime.containerd import PrivateContainerd, new_pod_uid
 from tests.runtime.gpuprobe import controller, gpu_nodes, make_pod_cgroup, probe_result, resolver, start_probe
 
@@ -164,7 +165,7 @@ def main() -> int:
             bpf.close()
         for top in _kubepods_dirs():
             if top.exists() and top not in existing:
-                _remove_tree(top)
+                remove_tree(top)
     print(
         f"RESULT guard_window_ms={max(results['after'])} guard_window_before_ms={max(results['before'])} "
         f"guard_window_race_ms={max(results['race'])} rounds={args.rounds} cells={args.cells}"
