@@ -51,18 +51,24 @@ from agent.clock import VirtualClock
 from agent.control.enforcer import Enforcer
 from agent.control.usagemeter import container_key
 from agent.domain.specs import EnforcementSpec
+from agent.domain.turns import TurnSettings
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.sim.engineconfig import MAX_SAMPLE_PERIOD_S
 
 
 class TurnsController:
-    """Today's controller: the agent's ``Enforcer`` as ``model_enforcer`` builds it (turns on
-    the device samples); its reading is its turn meter's."""
+    """The agent's controller: its ``Enforcer`` as ``model_enforcer`` builds it (turns on the
+    device samples); its reading is its turn meter's. ``turns``: other turn settings to compare
+    (``turns-yield``: unheld containers with a cap yield to held ones' turns, as before)."""
 
     def __init__(
-        self, gpu: VirtualGpuNode, specs: Callable[[], list[EnforcementSpec]], clock: VirtualClock
+        self,
+        gpu: VirtualGpuNode,
+        specs: Callable[[], list[EnforcementSpec]],
+        clock: VirtualClock,
+        turns: TurnSettings | None = None,
     ) -> None:
-        self.enforcer: Enforcer = model_enforcer(gpu, specs, clock)
+        self.enforcer: Enforcer = model_enforcer(gpu, specs, clock, turns=turns)
 
     def period(self) -> None:
         self.enforcer.period()
@@ -77,7 +83,12 @@ class TurnsController:
         return None if used is None or end is None else (used, end)
 
 
-CONTROLLERS: dict[str, ControllerFactory] = {"turns": TurnsController}
+CONTROLLERS: dict[str, ControllerFactory] = {
+    "turns": TurnsController,
+    "turns-yield": lambda gpu, specs, clock: TurnsController(
+        gpu, specs, clock, TurnSettings(capped_yield=True)
+    ),
+}
 
 
 def register(name: str, factory: ControllerFactory) -> None:

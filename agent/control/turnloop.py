@@ -125,7 +125,10 @@ class TurnLoop:
         state.yielding = {
             c.key
             for c in controls
-            if c.key not in held and held and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
+            if c.key not in held
+            and held
+            and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
+            and (self.settings.capped_yield or c.goal is None)
         }
         for control in controls:
             control.yielding = control.key in state.yielding

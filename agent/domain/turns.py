@@ -47,6 +47,11 @@ class TurnSettings:
     min_thaw_s: float = 0.01  # the shortest thaw: enough for a frozen process to submit again
     max_wait_s: float = 8.0  # nobody waits frozen longer for its next turn
     max_turn_s: float = 2.0  # the longest thaw of one turn
+    # Whether unheld containers with a target of their own yield to held ones' turns. They do
+    # not (False): under their cap they are owed what they use, and a container frozen for
+    # others' turns loses its own time (one that thinks between steps starves); best-effort
+    # ones always yield. True is the earlier behaviour, kept to compare (bench/scenarios.py).
+    capped_yield: bool = False
 
 
 @dataclass

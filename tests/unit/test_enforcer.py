@@ -80,19 +80,28 @@ def test_a_workload_below_its_cap_is_not_throttled() -> None:
     assert rig.gpu.containers["a"].freezes == []
 
 
+def test_a_neighbour_under_its_cap_is_not_starved_by_a_held_one_that_keeps_the_gpu_partly_busy() -> None:
+    """An unheld container under its own cap runs beside a held one's turns (it does not yield
+    to them): it gets all it uses alone and is never frozen for long."""
+    rig = Rig()
+    rig.add("n", PatternSpec("train", busy=0.2), spec("n", 20))
+    rig.add("g", PatternSpec("train", busy=0.2), spec("g", 40))
+    rig.run_for(30)
+    assert rig.mean("g", 10, 20) == pytest.approx(20, abs=3)
+    assert rig.gpu.longest_freeze("g") <= 1.0
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="known limit (bench/neighbours.py): a held container that keeps the GPU a fifth busy "
-    "takes all the time in turns of its own, and an unheld neighbour that yields to them starves",
+    reason="known limit (bench/neighbours.py): a held container that thinks between steps shares its "
+    "turns with an unheld neighbour running beside them, and its turns are too few to make up for it",
 )
-def test_a_neighbour_under_its_cap_is_not_starved_by_a_held_one_that_keeps_the_gpu_partly_busy() -> None:
+def test_a_held_container_that_keeps_the_gpu_partly_busy_gets_its_cap_beside_an_unheld_one() -> None:
     rig = Rig()
     rig.add("n", PatternSpec("train", busy=0.2), spec("n", 20))
     rig.add("g", PatternSpec("train", busy=0.2), spec("g", 40))
     rig.run_for(30)
     assert rig.mean("n", 10, 20) == pytest.approx(20, abs=3)
-    assert rig.mean("g", 10, 20) == pytest.approx(20, abs=3)
-    assert rig.gpu.longest_freeze("g") <= 2.0
 
 
 def test_burst_share_uses_idle_capacity_and_gives_it_back() -> None:
