@@ -266,3 +266,30 @@ def test_a_gpu_whose_readings_fail_has_its_containers_released_until_they_return
     assert rig.enforcer.gpu_views()[0].stale is None
     assert rig.control("a").throttled
     assert any(frozen and at >= back_at for at, frozen in freezes), "not held again once readings returned"
+
+
+@pytest.mark.parametrize("period_s", [1 / 6, 0.5, 1.0], ids=["default", "0.5s", "1s"])
+@pytest.mark.parametrize(
+    "newcomer",
+    [
+        (PatternSpec("train"), Policy.FIXED_SHARE, 10),
+        (PatternSpec("infer", rate=20.0), Policy.BEST_EFFORT, 5),
+        (PatternSpec("train", busy=0.3), Policy.BURST_SHARE, 20),
+    ],
+    ids=["fixed-10", "best-effort", "burst-20"],
+)
+def test_a_new_container_reaches_the_gpu_within_two_seconds_whatever_its_neighbours_do(
+    period_s: float, newcomer: tuple[PatternSpec, Policy, int]
+) -> None:
+    """Held neighbours in turns (one with long graphs) and a best-effort deep queue: a container
+    that starts among them runs GPU work within 2 s (it is not frozen before its first kernel)."""
+    rig = Rig(EngineConfig(sample_period_s=period_s))
+    rig.add("a", TRAIN, spec("a", 40))
+    rig.add("b", PatternSpec("graph", kernel_ms=20.0), spec("b", 45))
+    rig.add("c", PatternSpec("burn"), spec("c", 5, Policy.BEST_EFFORT))
+    rig.run_for(15)
+    assert any(c.throttled for c in rig.enforcer.controls()), "nobody held: the test proves nothing"
+    pattern, policy, cores = newcomer
+    rig.add("n", pattern, spec("n", cores, policy))
+    rig.run_for(2)
+    assert rig.gpu.gpu_seconds("n") > 0, f"the newcomer ran nothing in 2 s: {rig.gpu.containers['n'].freezes}"
