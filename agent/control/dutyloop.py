@@ -8,7 +8,8 @@ the per-process samples (:mod:`agent.control.usagemeter`), set targets, duties a
 cycle length (:mod:`agent.domain.dutycontrol`), and list the thaws and freezes of the
 throttled containers at the edges of their slices of the GPU's cycle that fall in the period
 (:mod:`agent.control.dutycycle`). On a real GPU its measurement is wrong wherever contexts
-time-slice (design notes §12): it is not what holds caps on time-sliced GPUs.
+time-slice (docs/gpu-model.md, "Why a fixed 30 ran at 66 % alone"): it is not what holds
+caps on time-sliced GPUs.
 """
 
 from __future__ import annotations

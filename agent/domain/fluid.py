@@ -2,7 +2,7 @@
 device sample's busy time into each container's share of it.
 
 NVML's per-process samples credit whichever process happened to execute at the sample
-instant (design notes §12), so they are no measure of a share. The device samples are: the
+instant (docs/gpu-model.md, the perfmon ring), so they are no measure of a share. The device samples are: the
 busy percent of each sample period, every period. What they do not say is whose work it
 was. The agent knows whom it kept thawed when, and it keeps held containers apart (one
 thawed at a time, :mod:`.turns`). The record is replayed in a fluid model of the GPU:
