@@ -58,7 +58,7 @@ class Enforcer:
         owner_of: Callable[[int], ContainerRef | None],
         locate: Callable[[EnforcementSpec], ThrottleTarget | None],
         actuator: Actuator,
-        period_s: float = 0.25,
+        period_s: float = Gains.period_s,
         gains: Gains | None = None,
         turns: TurnSettings | None = None,
         feedback: str = "device",

@@ -79,7 +79,7 @@ class TurnLoop:
         settings: TurnSettings,
         clock_now: Callable[[], float],
         idle_hold_s: float,
-        period_s: float = 0.25,
+        period_s: float,
     ) -> None:
         self.meter = meter
         self._period_s = period_s
