@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.domain.dra import DRIVER as DRA_DRIVER
+from agent.domain.dutycontrol import Gains
 from agent.domain.health import DEFAULT_IGNORED_XIDS
+from agent.domain.turns import TurnSettings
 from agent.errors import ConfigError
 
 DEFAULT_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -92,7 +94,7 @@ class MetricsSettings:
 
 
 class GuardMode(enum.StrEnum):
-    """What the device guard does about NVIDIA device access (issue C)."""
+    """What the device guard does about containers' access to NVIDIA devices."""
 
     ENFORCE = "enforce"  # containers reach only their own GPUs; pods without a GPU reach none
     AUDIT = "audit"  # change nothing; log (and on cgroup v2 count) what would be denied
@@ -116,7 +118,7 @@ class CgroupSettings:
 
 @dataclass(frozen=True)
 class BpfSettings:
-    """eBPF attribution of NVIDIA ioctls and cn_proc process events (issue C)."""
+    """eBPF attribution of NVIDIA ioctls to containers, and cn_proc process events."""
 
     ioctl_tracing: bool = True  # False: NVML alone
     bpf_dir: Path = DEFAULT_BPF_DIR  # ioctl_tracer.c and device_guard.c
@@ -125,7 +127,7 @@ class BpfSettings:
 
 
 class ActuatorMode(enum.StrEnum):
-    """How a container is paused between its duty-cycle slices (issue D)."""
+    """How a container is paused between its slices of the GPU (turns and duty cycles)."""
 
     AUTO = "auto"  # the cgroup freezer where its file is writable, else signals
     FREEZER = "freezer"  # v1 freezer.state / v2 cgroup.freeze
@@ -133,7 +135,7 @@ class ActuatorMode(enum.StrEnum):
 
 
 class MemoryQuotaMode(enum.StrEnum):
-    """What happens when a container holds more GPU memory than its vcuda-memory (issue D)."""
+    """What the memory guard does when a container holds more GPU memory than its vcuda-memory."""
 
     KILL = "kill"  # SIGKILL the process that went over, Event GPUMemoryQuotaExceeded
     DENY = "deny"  # BPF LSM refuses the allocation (kernels with BPF LSM active only)
@@ -149,19 +151,21 @@ class Feedback(enum.StrEnum):
 
 @dataclass(frozen=True)
 class EnforcementSettings:
-    """Compute caps and memory quotas: the duty-cycle controller and the memory guard (issue D)."""
+    """Compute caps and memory quotas: the compute-cap loop and the memory guard."""
 
     enabled: bool = True  # False: measure and report only, never freeze or kill
-    period_s: float = 0.25  # the control period: measure, decide, act
+    # The controller's tuning: each default lives once, in the domain's settings object
+    # (agent/domain/turns.py: TurnSettings; agent/domain/dutycontrol.py: Gains), read here.
+    period_s: float = Gains.period_s  # the control period: measure, decide, act
     feedback: Feedback = Feedback.DEVICE  # what a container's use is measured from (control/enforcer.py)
-    cycle_s: float = 0.5  # turns: the shortest cycle; each held container takes a turn in each
-    max_wait_s: float = 8.0  # turns: nobody held waits frozen longer for its next turn
+    cycle_s: float = TurnSettings.cycle_s  # turns: the longest cycle; each held container takes a turn in it
+    max_wait_s: float = TurnSettings.max_wait_s  # turns: nobody held waits frozen longer for its next turn
     # Duty cycles (--control-feedback nvml, and GPUs whose shares run under MPS):
-    window_s: float = 1.0  # a container is measured over at least this much sample time
-    gain: float = 0.7  # share of an error within 10 pp that one update corrects
-    min_duty: float = 0.02  # never below: a capped container always makes some progress
-    max_cycle_s: float = 2.0  # the longest duty cycle (work that drains long earns a long one)
-    idle_hold_s: float = 5.0  # an idle throttled container keeps its duty this long
+    window_s: float = Gains.window_s  # a container is measured over at least this much sample time
+    gain: float = Gains.gain  # share of an error within 10 pp that one update corrects
+    min_duty: float = Gains.min_duty  # never below: a capped container always makes some progress
+    max_cycle_s: float = Gains.max_cycle_s  # the longest duty cycle (work that drains long earns a long one)
+    idle_hold_s: float = Gains.idle_hold_s  # an idle held container stays held this long (both loops)
     actuator: ActuatorMode = ActuatorMode.AUTO
     memory_mode: MemoryQuotaMode = MemoryQuotaMode.KILL
     memory_check_s: float = 0.2  # GPU memory is compared with the quotas this often
@@ -181,7 +185,7 @@ class EnforcementSettings:
 
 
 class SharingMode(enum.StrEnum):
-    """How shares of one GPU are held (issue K); whole GPUs are never limited."""
+    """How shares of one GPU are held (the freezer or MPS); whole GPUs are never limited."""
 
     FREEZER = "freezer"  # time-slicing, the duty-cycle controller freezes containers over their cap
     MPS = "mps"  # an MPS control daemon per shared GPU, limits per client, the controller on top
@@ -215,7 +219,7 @@ DEFAULT_CDI_DIR = Path("/var/run/cdi")  # CDI's directory for dynamic specs (con
 
 @dataclass(frozen=True)
 class DraSettings:
-    """The kubelet side of the DRA driver gpu.vcuda.io (issue 17): plugin registration, the
+    """The kubelet side of the DRA driver gpu.vcuda.io (docs/dra.md): plugin registration, the
     DRA gRPC service and the CDI specs of prepared claims. kubelet dials the DRA socket at the
     path the agent sees, so the DaemonSet mounts these host directories at the same paths."""
 

@@ -13,7 +13,7 @@
 5. Whether the driver has ``nvmlDeviceSetMemoryLimits_v1`` (agent.platform.gpu.nvml_limits).
 6. With ``--curve``: one client alone at each of 10..100 %, its throughput over the alone-rate
    (how throughput follows the percentage: TPC rounding, wave quantization).
-7. With ``--tricks`` (issue 24: what a tenant can do to the real daemon): the daemon's
+7. With ``--tricks`` (what a tenant can do to the real daemon): the daemon's
    default set to 30 through its control socket, then a client that sets 100 in its own
    environment; a client in its own mount namespace that sees the pipe directory read-only,
    as a container does (does it still work?); and that client raising
@@ -176,7 +176,7 @@ def control(command: str, lines: list[str], env: dict[str, str], *, read_only: b
 
 
 def tricks(report: dict[str, Any], seconds: float, work: Path, env: dict[str, str]) -> None:
-    """Step 7 of the module docstring, into ``report["tricks"]`` (issue 24)."""
+    """Step 7 of the module docstring, into ``report["tricks"]``."""
     command, full = report["mps_control"], report["full_rate"]
     out: dict[str, Any] = {}
     report["tricks"] = out

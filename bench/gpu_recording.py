@@ -30,10 +30,11 @@ it). The first record is the one ``meta``; the others follow in the order they w
 - ``mem``: null where the source has none (the simulated GPU).
 - ``steps``: batches of step completion times read from the workers' progress files.
 
-Design notes §12: NVML's per-process samples credit the ONE process resident on the engine
-at each sample instant, and NVML's own aggregation into ``smUtil`` is closed source. These
-records are raw so that how NVML aggregates, and what the driver does under freezing (how
-long a freeze takes to land, how much queued work runs after it), can be settled from them.
+NVML's per-process samples credit the ONE process resident on the engine at each sample
+instant (docs/reference.md, "The driver's samples"), and NVML's own aggregation into
+``smUtil`` is closed source. These records are raw so that how NVML aggregates, and what the
+driver does under freezing (how long a freeze takes to land, how much queued work runs after
+it), can be settled from them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""The GPU script (issue 23): everything a lent GPU machine should record, in one unattended
+"""The GPU script: everything a lent GPU machine should record, in one unattended
 run that fits its minutes, writes what it has whatever happens, and needs nothing of this
 project but its source tree (standard library, pynvml, PyTorch in the workers; the agent's
 own dependencies only for the enforcement stage, which checks for them first).
 
 Why: NVML's per-process samples credit the ONE process resident on the engine at each
-sample instant (design notes §12), and NVML's aggregation of them into ``smUtil`` is closed
-source, so a cap fed by them is only as true as what they mean. The traces record NVML's
-raw answers and each worker's own throughput under schedules the suite imposes itself, to
-settle how NVML aggregates and what the driver does under freezing; bench/gpu_replay.py
-replays them on the simulated GPU (tests/data/gpu-traces/ keeps them as fixtures).
+sample instant (docs/reference.md, "The driver's samples"), and NVML's aggregation of them
+into ``smUtil`` is closed source, so a cap fed by them is only as true as what they mean.
+The traces record NVML's raw answers and each worker's own throughput under schedules the
+suite imposes itself, to settle how NVML aggregates and what the driver does under
+freezing; bench/gpu_replay.py replays them on the simulated GPU (tests/data/gpu-traces/
+keeps them as fixtures).
 
 Stages, each guarded (a failure is recorded and the next stage runs), each part skipped
 rather than started when it would overrun ``--budget-s``:
@@ -21,7 +22,7 @@ rather than started when it would overrun ``--budget-s``:
    format in bench/gpu_recording.py).
 3. ``mps`` -> ``mps-probe.json`` (bench/gpu_mps_probe.py ``--tricks``, a real daemon only:
    what MPS limits do, and what a tenant can do to them: its own environment, the control
-   socket through a read-only pipe directory; issue 24).
+   socket through a read-only pipe directory).
 4. ``enforce`` -> ``enforcement.json`` and a printed table (bench/gpu_scenarios.py).
 
 ``summary.json`` (rewritten as the run goes): files written, parts skipped and why, errors,

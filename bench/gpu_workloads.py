@@ -2,7 +2,7 @@
 appending the wall time of every completed step to a progress file, so that what it got of
 the GPU is read from its own throughput rather than from NVML.
 
-Patterns (the shapes of work the freezer meets, design notes §10):
+Patterns (the shapes of work the freezer meets: docs/reference.md, "How a GPU executes work"):
 
 - ``train``: one 4096x4096 fp32 matmul, then ``torch.cuda.synchronize()``; a step each;
 - ``infer``: requests of 4 matmuls of 2048x2048 and a sync, back to back; a request each;

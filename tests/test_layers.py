@@ -1,4 +1,5 @@
-"""Layers import only downwards: platform → domain → control → surfaces (design-notes §2)."""
+"""Layers import only downwards: platform → domain → control → surfaces (docs/architecture.md,
+"Layers")."""
 
 from __future__ import annotations
 

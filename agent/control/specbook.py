@@ -1,6 +1,6 @@
 """Enforcement specs for every GPU container in the ledger, with Events for bad annotations.
 
-The enforcement controller ([D]) reads ``specs()`` each control period. An invalid
+The compute-cap loop and the memory guard read ``specs()`` each control period. An invalid
 ``vcuda-core-limit`` or ``vcuda-policy`` becomes one Kubernetes Event per pod and
 problem (not one per period) and the safe default in the spec; a valid one beyond the
 node's bounds (``SpecBounds``, the admin's) becomes the bounded value and one Event.

@@ -1,4 +1,5 @@
-"""Pod and node annotations the agent reads and writes (design-notes §1, §5).
+"""Pod and node annotations the agent reads and writes (docs/reference.md, "Resources and
+annotations"; README, "Annotations and labels").
 
 Scheduler-extender annotations keep the gpu-admission names under ``nvidia.com/``:
 ``predicate-gpu-idx-<i>`` names the GPU index(es) chosen for app container ``i``

@@ -1,6 +1,6 @@
 """One node's GPUs as the scheduler extender sees them: usage, fit, GPU choice, node score.
 
-Fit rules (issue 7):
+Fit rules (docs/extender.md, "Fit"):
 
 - A share (vcuda-core < 100) fits one healthy GPU that has both its cores and its MiB
   free and runs fewer than ``max_per_gpu`` containers.

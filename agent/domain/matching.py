@@ -1,4 +1,4 @@
-"""Which pod and container an Allocate is for (design-notes §5).
+"""Which pod and container an Allocate is for (docs/reference.md, "Which pod an Allocate is for").
 
 kubelet's Allocate carries device IDs only. Candidates are this node's Pending pods
 that ask for vcuda-core with a GPU container not yet in the ledger (the ledger, not

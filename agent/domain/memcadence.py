@@ -1,5 +1,5 @@
 """How soon the memory guard checks again: the base period, or a short one while a container
-is near its quota and growing, or heading for it at its measured rate (issue 25 item 6).
+is near its quota and growing, or heading for it at its measured rate.
 
 A process that allocates 64 MiB every 20 ms grows 640 MiB in one 0.2 s period: checked only
 at the base period, it is killed far over its quota. Checking every container at a short

@@ -1,4 +1,4 @@
-"""GPU memory quotas (issue D): how much a container uses, whether it is over, and who to blame.
+"""GPU memory quotas: how much a container uses, whether it is over, and who to blame.
 
 Pure decisions over measured numbers; measuring is the platform's job (NVML or the simulator
 per process, the ioctl tracer per (cgroup, pid)) and acting is the control layer's

@@ -1,4 +1,5 @@
-"""Enforcement specs: what [D]'s controller must hold each GPU container to.
+"""Enforcement specs: what the compute-cap loop and the memory guard must hold each GPU
+container to.
 
 One spec per container in the ledger. A share gets a cap (``vcuda-core-limit`` or its
 request), a memory quota (its vcuda-memory request) and a policy (pod annotation >

@@ -1,4 +1,4 @@
-"""The node's sharing mode and MPS daemons, built from the settings (issue K)."""
+"""The node's sharing mode (freezer, mps, auto) and MPS daemons, built from the settings."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def test_detects_this_machine() -> None:
     real = real_layout()
     layout = detect_layout()
     assert layout == real
-    # design-notes §9: hybrid, v2 at /sys/fs/cgroup/unified, devices and freezer on v1.
+    # docs/reference.md, "The development machine": hybrid, v2 at /sys/fs/cgroup/unified,
+    # devices and freezer on v1.
     assert layout.mode == CgroupMode.HYBRID
     assert layout.v2_root == Path("/sys/fs/cgroup/unified")
     assert layout.root_for("devices") == Path("/sys/fs/cgroup/devices")

@@ -178,7 +178,7 @@ def test_the_client_translates_errors(apiserver: FakeApiServer, kube: ApiClient)
 def test_a_template_becomes_an_allocated_claim_reserved_for_its_pod(
     apiserver: FakeApiServer, kube: ApiClient, published: SlicePublisher
 ) -> None:
-    """The issue's path: DeviceClass + published slice, a ResourceClaimTemplate and a pod using
+    """The whole DRA path: DeviceClass + published slice, a ResourceClaimTemplate and a pod using
     it (created over HTTP), the claim made and allocated, then read over HTTP as the kubelet
     plugin will read it."""
     resource: Any = ResourceV1Api(kube)  # typed models used untyped, as in test_apiserver.py

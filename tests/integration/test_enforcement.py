@@ -2,8 +2,9 @@
 measures real workload processes through late NVML-style samples and freezes their real
 cgroups, while the GPU server (outside every container) keeps executing what they queued.
 
-Tolerances are the issue's (±3 pp over 20 s after settling) on this noisy 2-core machine;
-what a container got is the GPU server's ground truth, not what the samples said.
+Tolerances are the compute caps' targets (±3 pp over 20 s after settling) on this noisy
+2-core machine; what a container got is the GPU server's ground truth, not what the samples
+said.
 """
 
 from __future__ import annotations

@@ -323,7 +323,7 @@ def test_bind_serves_the_schedulers_it_is_told(apiserver: FakeApiServer, kubecon
 def test_forged_predicate_annotations_on_unbound_pods_hold_no_gpu(
     apiserver: FakeApiServer, kubeconfig: Path
 ) -> None:
-    """Issue 25 item 4a: a tenant's own Pending pods, annotated as if our bind had placed them
+    """A tenant's own Pending pods, annotated as if our bind had placed them
     on the node's only GPU, used to make every other pod's filter fail ("0 cores free")."""
     forged = {IDX0: "0", PREDICATE_NODE: ONE, PREDICATE_TIME: "1", GPU_ASSIGNED: "false"}
     for name, cores in (("squat-a", 60), ("squat-b", 40)):

@@ -1,4 +1,4 @@
-"""The extender's transport against hostile or careless clients (issue J): HTTPS whose verbs
+"""The extender's transport against hostile or careless clients: HTTPS whose verbs
 need a client certificate from the extender's own CA (made by deploy/extender-tls/make-certs.sh,
 the script the docs tell admins to run), plain HTTP only on loopback or by explicit flag, and a
 slow, huge or idle client that costs one connection, never the server. Real sockets, real TLS."""

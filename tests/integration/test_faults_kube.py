@@ -1,4 +1,5 @@
-"""Faults of the Kubernetes side survived by a real agent process (issue 16, fault table):
+"""Faults of the Kubernetes side survived by a real agent process (docs/security.md, "Faults
+survived"):
 the API server away for a minute, kubelet's pod-resources answering slowly, and the agent
 SIGKILLed at every step of Allocate -> annotate -> PreStartContainer -> running.
 

@@ -146,7 +146,8 @@ def test_bad_annotations_give_events_and_the_safe_default(start_agent: Start, cl
 def test_a_tenant_cannot_pick_best_effort_or_a_cap_above_its_request_by_default(
     start_agent: Start, cluster: Cluster
 ) -> None:
-    """The default bounds (no node config): the escapes of issue J are cut back with Events."""
+    """The default bounds (no node config): a tenant's own best-effort, and a cap above its
+    request, are cut back with Events."""
     agent, port = start(start_agent, cluster)
     cluster.node.run_pod(
         pod_manifest("lazy", ("cuda", 10, GIB), annotations={"nvidia.com/vcuda-policy": "best-effort"})

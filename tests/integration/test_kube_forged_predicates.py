@@ -1,4 +1,4 @@
-"""Issue 25 item 4b: a tenant's ``nvidia.com/predicate-time`` on its own pod no longer wins the
+"""A tenant's ``nvidia.com/predicate-time`` on its own pod no longer wins the
 Allocate of another pod, and a container whose Allocate answer was made for another pod is not
 started (PreStartContainer refuses it). A real agent process, the fake API server and the
 kubelet emulator's device-plugin and pod-resources gRPC."""

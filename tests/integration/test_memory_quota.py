@@ -6,8 +6,8 @@ declares 800 MiB, then 1500 MiB after 1 s, with a 1024 MiB quota. The guard, che
 time check) within 1 s of the growth, record the Event, and leave the neighbour alone.
 
 Then the agent's own loop (a real ``vcuda-agent run`` on an emulated node) against a pod
-that grows 64 MiB every 20 ms toward 4096 MiB on a 1024 MiB quota (issue 25 item 6: it once
-reached 1472 MiB). Near its quota and growing, it is checked every 10 ms: on an idle machine
+that grows 64 MiB every 20 ms toward 4096 MiB on a 1024 MiB quota (checked only every 0.2 s,
+it once reached 1472 MiB). Near its quota and growing, it is checked every 10 ms: on an idle machine
 it is killed one step over (1088 MiB, 6.25 %); the bound here is 4 steps (25 %), which a
 loaded 2-core machine's scheduling delays stay within and the old fixed 0.2 s period (up to
 640 MiB per period at this rate) does not. That it is checked at the short period once near

@@ -91,7 +91,7 @@ def test_a_killed_daemon_is_restarted_and_new_pods_get_mps_again(mps_node: Enfor
 
 
 def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer(short_dir: Path) -> None:
-    # Issue 24: the variable "only further constrains" the daemon's 100 %, so a tenant that
+    # The variable "only further constrains" the daemon's 100 %, so a tenant that
     # sets it to 100 in its own env ran at 33 % beside fixed 50 and fixed 40. By default no MPS
     # limit a tenant can lift is used: no daemon, the freezer holds every share, status says why.
     real_layout()
@@ -106,7 +106,7 @@ def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer
         assert gpu["mpsDaemon"] is None or gpu["mpsDaemon"]["state"] == "stopped"
         time.sleep(SETTLE_S + 5)  # the 40 and 50 yield to the 10's turns, then get turns of their own
         used = node.utilization([cheat, fixed50, fixed40], MEASURE_S)
-        # The issue's bound: the tenant at no more than its grant + 3 pp, not 33 %. A booked
+        # The bound: the tenant at no more than its grant + 3 pp, not 33 %. A booked
         # GPU loses a few percent to turns, the 10 included (docs/benchmarks.md: -4 to -5 pp
         # here; CI measured the 10 at 8.0 and, with the suite beside it, the 40 at 32.0).
         assert 10 - 4 <= used[0] <= 10 + 3, used

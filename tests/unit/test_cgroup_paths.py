@@ -31,7 +31,8 @@ CGROUPFS_PREFIX = {"containerd": "", "cri-o": "crio-", "docker": ""}
 
 
 def expected_relpath(driver: CgroupDriver, runtime: str, qos: QosClass) -> str:
-    """The paths as kubelet and the runtimes create them (design-notes §7), written out by hand."""
+    """The paths as kubelet and the runtimes create them (docs/reference.md, "Pod and container
+    cgroup paths"), written out by hand."""
     if driver == CgroupDriver.SYSTEMD:
         pod = {
             QosClass.GUARANTEED: f"kubepods.slice/kubepods-pod{UID_}.slice",

@@ -1,4 +1,4 @@
-"""The scheduler extender's book: fit edge cases, reasons, charges, reservations (issue 7)."""
+"""The scheduler extender's book: fit edge cases, reasons, charges, reservations."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_two_predicated_pods_with_equal_requests_oldest_pod_wins() -> None:
 
 
 def test_a_forged_predicate_time_does_not_move_a_pod_ahead() -> None:
-    # Issue 25 item 4b: predicate-time is writable by whoever edits the pod; kubelet admits
+    # predicate-time is writable by whoever edits the pod; kubelet admits
     # by creationTimestamp, which the API server sets.
     victim = make_pod("victim", container("c", 50, 1024), created="2026-01-01T00:00:00Z")
     tenant = make_pod(

@@ -1,4 +1,4 @@
-"""The memory guard's check cadence in virtual time (issue 25 item 6): a container near its
+"""The memory guard's check cadence in virtual time: a container near its
 quota and growing, or heading for it, is checked at the short period; others at the base."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ PHASES = (0.0, 0.003, 0.011, 0.017, 0.1, 0.199)  # the growth's start against th
 @pytest.mark.parametrize(
     ("step_mib", "every_s"),
     [
-        (64, 0.02),  # the issue's rate: 1024 MiB in 0.32 s, more than one base period
+        (64, 0.02),  # the reference rate: 1024 MiB in 0.32 s, more than one base period
         (8, 0.02),
         (64, 0.5),  # slow
         (256, 0.02),  # 1024 MiB in 0.08 s: caught in time only if a base check lands in the climb

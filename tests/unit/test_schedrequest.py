@@ -1,4 +1,4 @@
-"""What a pod asks the scheduler extender for: validation and messages (issue 7)."""
+"""What a pod asks the scheduler extender for: validation and messages."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The simulated MPS control daemon behaves as NVIDIA documents it (design notes §12): the
-daemon's defaults, a client's own environment only lowering them, the control commands,
+"""The simulated MPS control daemon behaves as NVIDIA documents it (docs/reference.md, "The MPS
+control daemon"): the daemon's defaults, a client's own environment only lowering them, the control commands,
 settings that apply to servers or clients created afterwards, one server per user id."""
 
 from __future__ import annotations

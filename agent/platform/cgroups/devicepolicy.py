@@ -1,6 +1,7 @@
 """Which NVIDIA device nodes a container may open, independent of how the rule is enforced.
 
-The rules only ever take access away (design-notes §6, §7):
+The rules only ever take access away (docs/reference.md, "NVIDIA device nodes" and
+"Device rules"):
 
 - a container with GPUs may use its ``/dev/nvidiaN`` (major 195, minor N), ``/dev/nvidiactl``
   (195:255) and the UVM devices (nvidia-uvm, nvidia-uvm-tools: a dynamic major); every

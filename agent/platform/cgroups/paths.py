@@ -1,4 +1,5 @@
-"""Pod and container cgroup paths (design-notes §7), forwards and backwards.
+"""Pod and container cgroup paths (docs/reference.md, "Pod and container cgroup paths"),
+forwards and backwards.
 
 Forwards: pod UID + QoS class + container ID → the container's cgroup directory in a
 given hierarchy. systemd driver::

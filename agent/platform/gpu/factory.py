@@ -1,12 +1,13 @@
-"""Choosing the GPU backend: simulated when a spec is given, NVML otherwise."""
+"""Choosing the GPU backend: simulated when a spec is given, NVML otherwise.
+
+Each backend is imported only when chosen: on a real node the simulator is never loaded
+(docs/architecture.md, "What the production path loads")."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from agent.platform.gpu.inventory import GpuBackend
-from agent.platform.gpu.nvml import open_nvml_backend
-from agent.platform.gpu.sim.backend import SimulatedBackend
 
 
 def open_backend(
@@ -18,5 +19,9 @@ def open_backend(
     """``driver_root``: where this process sees the driver's files, searched for NVML when
     the library is not found by name."""
     if simulate:
+        from agent.platform.gpu.sim.backend import SimulatedBackend  # noqa: PLC0415
+
         return SimulatedBackend(simulate, node_name, sim_state_dir)
+    from agent.platform.gpu.nvml import open_nvml_backend  # noqa: PLC0415
+
     return open_nvml_backend(driver_root=driver_root)

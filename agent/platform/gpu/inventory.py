@@ -106,7 +106,8 @@ class DeviceSample:
     ``NVML_GPU_UTILIZATION_SAMPLES``): the percent of its sample period during which one or
     more kernels executed, stamped with the period's end (wall clock, µs). Taken every
     period whether the GPU is busy or not, so it is the one per-period record of how busy the
-    GPU was (per-process samples credit whoever happened to be resident, design notes §12)."""
+    GPU was (per-process samples credit whoever happened to be resident: docs/reference.md,
+    "The driver's samples")."""
 
     timestamp_us: int
     util: int  # percent of the period, 0..100

@@ -2,9 +2,9 @@
 
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` limits the SMs a client's kernels may occupy. The
 hardware cannot give a fraction of an SM, nor, on Volta and later, split a TPC (two SMs):
-the limit is rounded down to whole TPCs (design notes §10: "a ceiling, rounded down to what
-the hardware can partition"), and a client gets at least one TPC. A 30 % client of a
-132-SM H100 gets 38 SMs (28.8 %), not 39.6.
+the limit is rounded down to whole TPCs (docs/reference.md, "How a GPU executes work": a
+ceiling, rounded down to what the hardware can partition), and a client gets at least one
+TPC. A 30 % client of a 132-SM H100 gets 38 SMs (28.8 %), not 39.6.
 
 So the agent does not hand out the cap itself: it picks the most whole TPCs that stay
 within the cap (a cap is a ceiling: at most one TPC below it, 1.5 pp on an H100; one TPC
@@ -17,7 +17,8 @@ not in the table is partitioned as if it had 100 SMs of one each (the percentage
 Where a lent GPU recorded how throughput follows the percentage (a share of SMs is not a
 share of throughput: an H200 at 30 % ran a matmul loop at 24.8 % of its speed), the agent
 calibrates by that curve instead: the highest percentage whose throughput stays within the
-cap (issue 24: a fixed share delivers [cap - 3, cap] where the hardware allows).
+cap (so that a fixed share delivers [cap - 3, cap] where the hardware allows; the curve:
+docs/reference.md, "Measured under MPS").
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""A simulated GPU node at work, in two acts.
-
-First (skip with ``--no-intro``), the device plugin: `vcuda-agent run --simulate` as a
-real process against an emulated kube-apiserver (real Kubernetes JSON over HTTP) and an
-emulated kubelet (the real device plugin and pod-resources APIs) admits the example pods,
-shows what it published and annotated, survives a GPU fault, a kubelet restart and its own
-crash, and stops on SIGTERM.
-
-Then, live: a 2-GPU node whose pods run as real processes in real container cgroups, with
-a table refreshed every second showing each pod's use against its cap, its memory, its
-duty cycle and the agent's actions, for ``--duration`` seconds (default: until Ctrl-C on a
-terminal, 30 s otherwise). Ctrl-C at any point stops everything and leaves no process,
-cgroup or frozen workload behind."""
+"""``vcuda-agent demo``: a simulated GPU node at work, in two acts, the first with the device
+plugin against an emulated API server and kubelet, the second live over real container
+cgroups (what each act shows: :data:`.simcommands.DEMO_DESCRIPTION`, its ``--help``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``vcuda-agent``: argument parsing and dispatch to the subcommands."""
+"""``vcuda-agent``: argument parsing and dispatch to the subcommands.
+
+The production commands (``run``, ``status``, ``extender``) are imported here; the demo and
+the simulated node's commands are declared in :mod:`.simcommands` and imported only when
+they run, so that ``vcuda-agent run`` on a real node loads no simulator, emulator or demo."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from agent.settings import (
     SharingMode,
     SharingSettings,
 )
-from agent.surfaces.cli import demo, extender, run, sim, status
+from agent.surfaces.cli import extender, run, simcommands, status
 from agent.surfaces.cli.common import common_options, configure_logging
 
 
@@ -173,37 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_enforcement_options(p)
     _add_dra_options(p)
-    sim.add_sim_state_dir(p)
+    simcommands.add_sim_state_dir(p)
     p.set_defaults(func=run.main)
 
-    p = sub.add_parser(
-        "demo",
-        parents=[common],
-        help="a simulated 2-GPU node with an emulated kubelet admitting example pods",
-        description=demo.__doc__,
-    )
-    p.add_argument(
-        "--workdir",
-        metavar="DIR",
-        help="keep sockets, state and the agent log here (default: a temp dir)",
-    )
-    p.add_argument("--simulate", default="2xH100-80GB", metavar="SPEC", help="GPUs of the first act's node")
-    p.add_argument(
-        "--duration",
-        type=float,
-        metavar="S",
-        help="seconds the live table runs (default: until Ctrl-C on a terminal, 30 s otherwise)",
-    )
-    p.add_argument(
-        "--metrics-address",
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="where the live act's agent serves /metrics (default: a free port on loopback)",
-    )
-    p.add_argument("--no-intro", action="store_true", help="skip the first act (the device plugin story)")
-    p.set_defaults(func=demo.main)
-
-    sim.add_parsers(sub, common)
+    simcommands.add_demo_parser(sub, common)
+    simcommands.add_parsers(sub, common)
     status.add_parser(sub, common)
     extender.add_parser(sub, common)
     return parser

@@ -7,7 +7,7 @@ kube-scheduler logs); an unexpected failure in a handler gets 500 the same way a
 the server keeps serving either way. /readyz is 503 until the Node and Pod caches have
 completed their first LIST (before that, filter would promise capacity that is taken).
 
-Hostile clients (issue J): over HTTPS the verbs need a verified client certificate (403
+Hostile or careless clients: over HTTPS the verbs need a verified client certificate (403
 without one; transport.py). A request must send its headers and body within
 ``read_timeout_s`` (408 and the connection closed otherwise), a keep-alive connection idles
 at most ``idle_timeout_s``, bodies are capped at MAX_BODY (413, unread) and bodies over

@@ -1,6 +1,6 @@
 """One simulated GPU: contexts with queues of submitted work, executed in simulated time.
 
-What it models (design notes §10):
+What it models (docs/reference.md, "How a GPU executes work"):
 
 - **Contexts and queues.** One context per workload process. A context holds a FIFO of
   launches; a launch is a kernel of some GPU time (seconds of the whole GPU), or a CUDA

@@ -1,6 +1,6 @@
-"""What an MPS control daemon keeps for its GPU, as NVIDIA documents it (design notes §12):
-the defaults, the servers (one per user id at a time), their clients, and the commands of
-``nvidia-cuda-mps-control``.
+"""What an MPS control daemon keeps for its GPU, as NVIDIA documents it (docs/reference.md,
+"The MPS control daemon"): the defaults, the servers (one per user id at a time), their
+clients, and the commands of ``nvidia-cuda-mps-control``.
 
 - **Defaults**: active thread percentage 100, no pinned device-memory limit.
   ``set_default_active_thread_percentage`` and ``set_default_device_pinned_mem_limit``

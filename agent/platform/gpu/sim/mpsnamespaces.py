@@ -1,5 +1,6 @@
 """MPS v3 namespaces bound to cgroups, as the simulated control daemon keeps them (protocol 3,
-driver r615+/R620; design notes §12, docs/gpu-model.md "MPS v3").
+driver r615+/R620; docs/reference.md, "Newer drivers: MPS v3 and memory limits per cgroup";
+docs/gpu-model.md "MPS v3").
 
 What NVIDIA documents (MPS v3 Interface, Namespaces, Configuration File, r615/620 docs):
 the daemon is started with ``-p 3``; a namespace subdivides a server's pinned memory limit,

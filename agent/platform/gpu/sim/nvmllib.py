@@ -2,7 +2,7 @@
 it makes of the driver's per-process samples (:mod:`.perfmon`) for one call with a
 ``lastSeenTimeStamp``.
 
-NVML's aggregation is closed source; what is known (design notes §12, NVML's header):
+NVML's aggregation is closed source; what is known (docs/reference.md, "The driver's samples"):
 "one utilization sample structure is returned per process running, that had some non-zero
 utilization during the last sample period", samples are newer than ``lastSeenTimeStamp``,
 and a call with an old ``lastSeenTimeStamp`` returns "the utilization over a larger period

@@ -3,19 +3,19 @@
 
 Two views (``EngineConfig.nvml_view``):
 
-- ``driver`` (the default): the driver's perfmon sample ring (design notes §12, from
-  open-gpu-kernel-modules). Every sample period the driver takes ONE per-process sample,
-  stamped with the period's end, crediting ONE process: the one whose context is executing
-  on the engine at that instant. A sample taken while the engine idles credits nobody, so
-  the busy time before it is lost to every process. What the sample credits
-  (``EngineConfig.sample_credit``):
+- ``driver`` (the default): the driver's perfmon sample ring (docs/reference.md, "The
+  driver's samples", from open-gpu-kernel-modules). Every sample period the driver takes ONE
+  per-process sample, stamped with the period's end, crediting ONE process: the one whose
+  context is executing on the engine at that instant. A sample taken while the engine idles
+  credits nobody, so the busy time before it is lost to every process. What the sample
+  credits (``EngineConfig.sample_credit``):
 
   - ``resident`` (the default): the SM activity of the credited process's own contexts
     over the last ``credit_window_s``. Fitted to the recorded H100 figures (docs/gpu-model.md):
     two time-sliced loops read about 43 % together while they run 88 % of the GPU between
     them, and a loop held to a duty cycle reads about its duty squared;
   - ``engine``: the whole engine's SM activity over the sample period (the reading of the
-    driver's code in the design notes), which credits a pair with their sum.
+    driver's code in docs/reference.md), which credits a pair with their sum.
 
   SM activity is not busy time: a kernel keeps part of the SMs busy on average
   (``sm_activity``: a 4096² fp32 matmul loop alone read 86.7 % on an H100), and a context
