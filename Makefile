@@ -5,8 +5,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard agent/platform/kubelet/pb/*.proto)
+# helm and kubectl (deploy/host/get-helm.sh) for the Helm chart: its tests and `make chart`.
+TOOLS := .tools
+HELM := $(TOOLS)/helm
+CHART := deploy/helm/vcuda-agent
 
-.PHONY: all setup host demo test lint format bench gpu-check image proto clean
+.PHONY: all setup host demo test lint format bench gpu-check image chart proto clean
 
 all: test
 
@@ -23,7 +27,12 @@ $(STAMP): pyproject.toml | host
 	  $(VPY) -c 'import bcc, os; print("setup: bcc", bcc.__version__ if hasattr(bcc, "__version__") else "", "from", os.path.realpath(bcc.__file__))'
 	@touch $(STAMP)
 
-setup: host $(STAMP)
+# The binary is its own stamp: the script runs again (and re-downloads only for another pinned
+# version) when it is newer than the binary.
+$(HELM): deploy/host/get-helm.sh
+	@bash deploy/host/get-helm.sh $(TOOLS)
+
+setup: host $(STAMP) $(HELM)
 	@echo "setup: $(VENV)/bin/vcuda-agent ready"
 
 demo: setup
@@ -34,13 +43,15 @@ demo: setup
 # files that measure caps form one group (tests/conftest.py): never two of them at once.
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
+# $(TOOLS) goes last on PATH: its kubectl (for `kubectl kustomize`) only where none is installed.
 test: setup
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	PATH="$$PATH:$(CURDIR)/$(TOOLS)" $(VPY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check agent tests bench
 	$(VENV)/bin/ruff format --check agent tests bench
 	$(VENV)/bin/mypy
+	$(HELM) lint --strict --quiet $(CHART)
 
 format: setup
 	$(VENV)/bin/ruff check --fix agent tests bench
@@ -63,6 +74,11 @@ gpu-check:
 image: host
 	@bash deploy/image/build.sh
 
+# The Helm chart, linted and packaged: dist/vcuda-agent-<chart version>.tgz.
+chart: $(HELM)
+	$(HELM) lint --strict $(CHART)
+	$(HELM) package $(CHART) --destination dist
+
 # Regenerate the gRPC stubs (committed) from the .proto files.
 proto: setup
 	$(VPY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
@@ -70,4 +86,4 @@ proto: setup
 	  --mypy_out=. --mypy_grpc_out=. $(PROTOS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
