@@ -213,4 +213,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("scenarios", sys.modules[__name__])  # what --load modules register with
     sys.exit(main())

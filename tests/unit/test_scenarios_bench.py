@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import scenarios  # noqa: E402
+from scenario_buckets import Bucket, BucketSettings  # noqa: E402
 from scenario_mixes import PATTERN_KINDS, POLICIES, SAMPLE_PERIODS, Trace, generate_mix  # noqa: E402
 from scenario_score import (  # noqa: E402
     FIGURES,
@@ -160,3 +161,25 @@ def test_several_controllers_run_the_same_mixes(
         assert got[f"turns_{key}"] == got[f"again_{key}"]
     rows = json.loads(path.read_text())
     assert {r["controller"] for r in rows} == {"turns", "again"}
+
+
+def test_the_oracle_experiments_register_and_read_the_truth(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--load scenario_oracles``: the experiments on the engine's truth read what really ran
+    (their readings are exact); the decision on the agent's own meter reads the meter."""
+    argv = ["--mixes", "1", "--seconds", "20", "--load", "scenario_oracles"]
+    argv += ["--controllers", "turns-oracle,buckets-oracle,buckets-meter"]
+    assert scenarios.main(argv) == 0
+    got = result(capsys.readouterr().out)
+    assert float(got["turns-oracle_view_p95_err_pp"]) == 0.0
+    assert float(got["buckets-oracle_view_p95_err_pp"]) == 0.0
+    assert {f"buckets-meter_{k}" for k in FIGURES} <= set(got)
+
+
+def test_a_bucket_holds_its_share_and_goes_into_debt_for_a_long_unit() -> None:
+    settings = BucketSettings(bank_s=0.5, debt_s=60.0)
+    bucket = Bucket(share=0.3, balance=0.15, measured_to=0.0)
+    bucket.settle(10.0, 0.0, settings, unit_s=0.0)
+    assert bucket.balance == pytest.approx(0.15)  # idle: it does not save up more than its bank
+    bucket.settle(11.0, 2.0, settings, unit_s=0.0)  # a 2 s unit ran: in debt, it waits to repay
+    assert bucket.balance == pytest.approx(0.15 + 0.3 - 2.0)
+    assert bucket.now(11.0 + 1.55 / 0.3, 0.0) == pytest.approx(0.0)
