@@ -117,7 +117,13 @@ class PodFormatError(VcudaError):
 
 
 class MpsUnavailableError(PlatformError):
-    """An MPS control daemon cannot run here (binary missing, it will not start, ...)."""
+    """An MPS control daemon cannot run here (binary missing, it will not start, its
+    directories cannot be made, ...)."""
+
+
+class MpsCommandError(PlatformError):
+    """An MPS control command or signal did not get through: the program is missing or not
+    permitted, it timed out or failed, or the daemon could not be signalled."""
 
 
 class MemoryLimitUnsupportedError(GpuError):

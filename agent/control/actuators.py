@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.errors import PlatformError, ProcessGoneError
-from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, OpenFreezers, freezer_file
+from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, OpenFreezers, freezer_access
+from agent.platform.cgroups.procs import read_pids
 from agent.platform.freezejournal import FreezeJournal
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.procsignal import SignalOutcome, signal_identity
@@ -249,7 +250,7 @@ class SignalActuator:
     def _identities(self, procs_file: Path, skip: set[int]) -> set[ProcessIdentity]:
         me = os.getpid()
         found = set()
-        for pid in _read_pids(procs_file):
+        for pid in read_pids(procs_file):
             if pid <= 1 or pid == me or pid in skip:
                 continue
             try:
@@ -315,13 +316,14 @@ class AutoActuator:
     def _decide(self, target: ThrottleTarget) -> tuple[FreezerActuator | SignalActuator, str]:
         if target.cgroup_dir is None:
             return self.signals, "its cgroup directory is unknown"
-        path = freezer_file(target.cgroup_dir)
-        if path is None:
-            if not target.cgroup_dir.is_dir():
-                # Not created yet or already removed: decide later, when it exists.
-                raise CgroupGoneError(f"{target.key}: cgroup {target.cgroup_dir} does not exist")
+        try:
+            found = freezer_access(target.cgroup_dir)
+        except CgroupGoneError as err:  # not created yet or already removed: decide later
+            raise CgroupGoneError(f"{target.key}: {err}") from err
+        if found is None:
             return self.signals, f"{target.cgroup_dir} has no cgroup.freeze or freezer.state"
-        if not os.access(path, os.W_OK):
+        path, writable = found
+        if not writable:
             return self.signals, f"{path} is not writable"
         return self.freezer, f"{path} is writable"
 
@@ -344,19 +346,3 @@ def _procs_file(target: ThrottleTarget) -> Path:
     if target.procs_file is None:
         raise FreezerError(f"{target.key}: no cgroup.procs known, its processes cannot be signalled")
     return target.procs_file
-
-
-def _read_pids(procs_file: Path) -> list[int]:
-    try:
-        text = procs_file.read_text(encoding="ascii")
-    except FileNotFoundError as err:
-        raise CgroupGoneError(f"{procs_file} is gone") from err
-    except OSError as err:
-        raise FreezerError(f"cannot read {procs_file}: {err.strerror or err}") from err
-    pids = []
-    for line in text.split():
-        try:
-            pids.append(int(line))
-        except ValueError as err:
-            raise FreezerError(f"{procs_file} holds a non-numeric pid {line!r}") from err
-    return pids

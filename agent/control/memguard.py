@@ -1,4 +1,4 @@
-"""GPU memory quotas (issue D): act on containers that hold more than their vcuda-memory.
+"""GPU memory quotas: act on containers that hold more than their vcuda-memory.
 
 The caller measures each container's processes every ``memory_check_s`` (more often near a
 quota: :mod:`agent.domain.memcadence`) and calls :meth:`MemoryGuard.check`; the guard
@@ -37,6 +37,7 @@ from agent.platform.bpf.lsm import LsmSupport, MemoryDenyProgram
 from agent.platform.gpu.inventory import ProcessMemory
 from agent.platform.kube.pods import PodInfo
 from agent.platform.procfs import ProcessIdentity, ProcFS
+from agent.platform.procsignal import SignalOutcome, signal_identity
 from agent.settings import MemoryQuotaMode
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ class MemoryGuard:
         deny: DenyProgram | None = None,
         history: int = 256,
     ) -> None:
-        """``kill``: None signals through a pidfd (race-free); tests inject a recorder.
+        """``kill``: None signals through a pidfd (race-free, :mod:`agent.platform.procsignal`);
+        tests inject a recorder.
         ``deny``: the started LSM program for mode ``deny`` (None: ``deny`` kills)."""
         self.mode = mode
         self._procfs = procfs
@@ -248,7 +250,7 @@ class MemoryGuard:
             return self._act(view, verdict, SKIPPED_PROTECTED, message, ident.pid, event=True)
         try:
             killed = self._signal(ident)
-        except OSError as err:
+        except (OSError, PlatformError) as err:  # OSError: from an injected kill
             self._passed.add(ident)
             message = f"{verdict.reason}; killing pid {ident.pid} failed: {err}"
             return self._act(view, verdict, KILL_FAILED, message, ident.pid, event=False)
@@ -294,33 +296,19 @@ class MemoryGuard:
             return False
 
     def _signal(self, ident: ProcessIdentity) -> bool:
-        """SIGKILL ``ident`` if its pid still belongs to it; False when it exited or was reused.
+        """SIGKILL ``ident`` if its pid still belongs to it; False when it exited or was reused;
+        PlatformError when it could not be signalled.
 
-        With a pidfd the check cannot race: the pidfd is opened first, so when the start time
-        still matches after that, the pidfd refers to the measured process whatever happens
-        to the pid afterwards.
+        Without an injected ``kill`` this goes through a pidfd (:func:`signal_identity`): the
+        pidfd is opened first, so when the start time still matches after that, the signal
+        reaches the measured process whatever happens to the pid afterwards.
         """
         if self._kill is None:
-            try:
-                pidfd = os.pidfd_open(ident.pid)
-            except ProcessLookupError:
-                return False
-            except OSError as err:
-                log.debug("no pidfd for pid %d (%s): plain kill after the check", ident.pid, err)
-            else:
-                try:
-                    if not self._same_process(ident):
-                        return False
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    return True
-                except ProcessLookupError:
-                    return False
-                finally:
-                    os.close(pidfd)
+            return signal_identity(ident, signal.SIGKILL, self._procfs) is SignalOutcome.SENT
         if not self._same_process(ident):
             return False
         try:
-            (self._kill or os.kill)(ident.pid, signal.SIGKILL)
+            self._kill(ident.pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
         return True

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
+from agent.errors import PlatformError
+from agent.platform.atomicfile import read_text, write_atomic
 from agent.platform.gpu.mpspartition import Partition
 from agent.platform.mpsv3 import UNVERIFIED
 
-# What reading grants.json raises for any bytes in it (OverflowError: int(Infinity), float(10**400)).
-_UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
+# What parsing grants.json raises for any bytes in it (OverflowError: int(Infinity), float(10**400)).
+_UNREADABLE = (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,13 @@ class MpsGrant:
 def load_grants(path: Path) -> tuple[dict[str, MpsGrant], str | None]:
     """The grants recorded in ``path``; why none could be read (None: read, or no file)."""
     try:
-        raw = json.loads(path.read_text())
+        text = read_text(path)
+    except PlatformError as err:
+        return {}, str(err)
+    if text is None:
+        return {}, None
+    try:
+        raw = json.loads(text)
         return {
             k: MpsGrant(
                 int(v["gpu"]),
@@ -57,8 +65,6 @@ def load_grants(path: Path) -> tuple[dict[str, MpsGrant], str | None]:
             )
             for k, v in raw.items()
         }, None
-    except FileNotFoundError:
-        return {}, None
     except _UNREADABLE as err:
         return {}, str(err)
 
@@ -80,11 +86,8 @@ def save_grants(path: Path, grants: dict[str, MpsGrant]) -> str | None:
         for k, g in grants.items()
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError as err:
+        write_atomic(path, json.dumps(data).encode(), make_parents=True)
+    except PlatformError as err:
         return str(err)
     return None
 

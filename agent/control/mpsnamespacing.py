@@ -13,8 +13,7 @@ is bound to it. A namespace the daemon refuses leaves the share to the freezer.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -26,35 +25,53 @@ FLOOR_PERCENT = 1  # the daemon rounds it up to its smallest partition (one TPC'
 
 
 class NamespaceBinder:
-    """The namespaces the agent made on the GPUs' v3 daemons. Not thread-safe: the sharing
-    lock serialises its callers."""
+    """The namespaces the agent made on the GPUs' v3 daemons. The caller serialises the calls
+    for one daemon (:class:`~agent.control.mpssharing.MpsSharing` holds that GPU's lock);
+    calls for different daemons may run at once, and the commands run outside the binder's
+    own lock, which guards its records only."""
 
     def __init__(
         self,
         daemon_command: Sequence[str],
         *,
         environ: Mapping[str, str] | None = None,
-        run: mpsv3.Runner = subprocess.run,
+        run: mpsv3.Runner | None = None,
     ) -> None:
+        """``environ``: the commands' environment (None: the agent's); ``run``: what runs them
+        (None: subprocess.run; tests pass a stand-in)."""
         self._command = list(daemon_command)
-        self._environ = dict(os.environ if environ is None else environ)
+        self._environ = None if environ is None else dict(environ)
         self._run = run
+        self._lock = threading.Lock()
         self._floored: dict[Path, int] = {}  # pipe dir -> the daemon pid whose default is floored
-        self.bound: dict[str, Path] = {}  # share key -> the cgroup its namespace is bound to
+        self._bound: dict[str, Path] = {}  # share key -> the cgroup its namespace is bound to
 
     def _send(self, pipe_dir: Path, words: Sequence[str]) -> str | None:
         return mpsv3.send(self._command, pipe_dir, words, environ=self._environ, run=self._run)
 
+    def bound(self, key: str) -> Path | None:
+        """The cgroup the share's namespace is bound to (None: not bound yet)."""
+        with self._lock:
+            return self._bound.get(key)
+
+    def _set_bound(self, key: str, cgroup: Path | None) -> None:
+        with self._lock:
+            self._bound.pop(key, None)
+            if cgroup is not None:
+                self._bound[key] = cgroup
+
     def prepare(self, pipe_dir: Path, daemon_pid: int | None) -> str | None:
         """Floor the default namespace of the daemon at ``pipe_dir`` (once per daemon)."""
-        if daemon_pid is not None and self._floored.get(pipe_dir) == daemon_pid:
-            return None
+        with self._lock:
+            if daemon_pid is not None and self._floored.get(pipe_dir) == daemon_pid:
+                return None
         words = [
             w.format(name="default", percent=FLOOR_PERCENT) for w in mpsv3.NAMESPACE_COMMANDS["percentage"]
         ]
         why = self._send(pipe_dir, words)
         if why is None and daemon_pid is not None:
-            self._floored[pipe_dir] = daemon_pid
+            with self._lock:
+                self._floored[pipe_dir] = daemon_pid
         return why
 
     def create(
@@ -66,20 +83,18 @@ class NamespaceBinder:
             why = self._send(pipe_dir, words)
             if why is not None and not (words[1] == "create" and "exists" in why):
                 return why  # an agent restart finds its namespaces still there: that is fine
-        self.bound.pop(key, None)
-        if cgroup is not None:
-            self.bound[key] = cgroup
+        self._set_bound(key, cgroup)
         return None
 
     def bind(self, key: str, pipe_dir: Path, cgroup: Path) -> str | None:
         """Bind the share's namespace to its container's cgroup; why not."""
-        if self.bound.get(key) == cgroup:
+        if self.bound(key) == cgroup:
             return None
         name = mpsv3.namespace_name(*key.split("/", 1))
         words = [w.format(name=name, cgroup=cgroup) for w in mpsv3.NAMESPACE_COMMANDS["bind"]]
         why = self._send(pipe_dir, words)
         if why is None:
-            self.bound[key] = cgroup
+            self._set_bound(key, cgroup)
             log.info("MPS v3: namespace %s of %s bound to %s", name, key, cgroup)
         return why
 
@@ -92,7 +107,7 @@ class NamespaceBinder:
 
     def delete(self, key: str, pipe_dir: Path) -> None:
         """The share is gone: so is its namespace (a daemon that went is no error)."""
-        self.bound.pop(key, None)
+        self._set_bound(key, None)
         name = mpsv3.namespace_name(*key.split("/", 1))
         why = self._send(pipe_dir, [w.format(name=name) for w in mpsv3.NAMESPACE_COMMANDS["delete"]])
         if why is not None:

@@ -52,9 +52,29 @@ def read_uids(
     return readings
 
 
+def mixed_users(
+    grants: Sequence[tuple[str, MpsGrant]], users_of: Callable[[str, str], frozenset[int]]
+) -> dict[int, tuple[list[str], list[int]]]:
+    """Per GPU whose MPS clients run as more than one user id (``users_of(pod uid,
+    container)``: the real uids of its processes): the shares whose uids were read, and the
+    uids. MPS runs one server per uid: a client of another uid than the running server's
+    waits, silently, until that server's clients are done (docs/reference.md, "The MPS control
+    daemon")."""
+    by_gpu: dict[int, dict[str, frozenset[int]]] = {}
+    for key, grant in grants:
+        pod_uid, _, container = key.partition("/")
+        by_gpu.setdefault(grant.gpu, {})[key] = users_of(pod_uid, container)
+    mixed = {}
+    for gpu, users in by_gpu.items():
+        uids = sorted(set().union(*users.values()))
+        if len(uids) > 1:
+            mixed[gpu] = (sorted(k for k, u in users.items() if u), uids)
+    return mixed
+
+
 class NamespaceTrust:
     """The trust decisions of one node's v3 shares, keyed ``pod uid/container``. Not
-    thread-safe: the sharing lock serialises its callers."""
+    thread-safe: the sharing layer's state lock serialises its callers."""
 
     def __init__(self, daemon_uid: int) -> None:
         self.daemon_uid = daemon_uid
@@ -116,7 +136,7 @@ class SpecRefusals:
     not come through the daemon is refused, and in DEFAULT compute mode it time-slices with
     the MPS server, taking its slices from every client's share. So a share that arrives on a
     GPU holding a time-sliced share is time-sliced too (the daemon would not attach beside its
-    context). Not thread-safe: :class:`MpsSharing` calls it under its lock."""
+    context). Not thread-safe: :class:`MpsSharing` calls it under its state lock."""
 
     def __init__(self) -> None:
         self._by_key: dict[str, tuple[int, str]] = {}  # key -> (GPU, why)
@@ -149,6 +169,10 @@ class SpecRefusals:
     def why(self, key: str) -> str | None:
         found = self._by_key.get(key)
         return None if found is None else found[1]
+
+    def snapshot(self) -> dict[str, str]:
+        """Every refused share and why (a copy)."""
+        return {k: why for k, (_gpu, why) in self._by_key.items()}
 
     def keep(self, live: Callable[[str], bool]) -> None:
         self._by_key = {k: v for k, v in self._by_key.items() if live(k)}

@@ -11,12 +11,13 @@ The document (version 1)::
      "cgroups": ["/sys/fs/cgroup/.../cri-containerd-<id>.scope", ...],
      "processes": [{"pid": 4321, "startTicks": 98765, "key": "ns/pod/container"}, ...]}
 
-Writes replace the file atomically (temp file + os.replace), only when the content
-changes. A write that fails (the disk is full, the directory read-only) raises
+Writes replace the file atomically (:func:`agent.platform.atomicfile.write_atomic`), only
+when the content changes. A write that fails (the disk is full, the directory read-only) raises
 ``JournalError`` and changes nothing, in the file or in memory: the caller must then not
 pause what it meant to add (``FreezerActuator`` does not freeze); ``write_error`` says why
-until a write succeeds again. No fsync: the journal guards against the agent dying, not the machine; after
-a reboot nothing is frozen anyway (and the state dir is a tmpfs under /run).
+until a write succeeds again. No fsync (``durable=False``): the control loop writes it before
+a first freeze, the journal guards against the agent dying, not the machine, and after a
+reboot nothing is frozen anyway (the state dir is a tmpfs under /run).
 
 This module runs inside the watchdog process: stdlib and agent.platform only.
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import PlatformError
+from agent.platform.atomicfile import ensure_dir, write_atomic
 from agent.platform.cgroups.freezer import CgroupGoneError, FreezerError, set_frozen
 from agent.platform.procfs import ProcessIdentity, ProcFS
 from agent.platform.procsignal import SignalOutcome, signal_identity
@@ -177,18 +179,15 @@ class FreezeJournal:
             ],
         }
         text = json.dumps(document) + "\n"  # no indent: the C encoder, several times faster
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             if not self.path.parent.is_dir():
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                os.chmod(self.path.parent, 0o755)  # whatever the umask: the watchdog reads it as root anyway
+                # whatever the umask: the watchdog reads it as root anyway
+                ensure_dir(self.path.parent, mode=0o755)
             with nullcontext() if self._file_lock_held else file_lock(self.path):
-                with open(tmp, "w", encoding="utf-8") as file:
-                    file.write(text)
-                os.replace(tmp, self.path)
-        except OSError as err:
-            _discard(tmp)
-            message = f"cannot write the freeze journal {self.path}: {err}"
+                write_atomic(self.path, text.encode(), durable=False)
+        except (OSError, PlatformError) as err:
+            cause = err.__cause__ if isinstance(err, PlatformError) and err.__cause__ else err
+            message = f"cannot write the freeze journal {self.path}: {cause}"
             if self._write_error is None:
                 log.error("%s; nothing more is paused until it can be written", message)
             self._write_error = message
@@ -228,14 +227,6 @@ def file_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _discard(tmp: Path) -> None:
-    """Remove a temp file a failed write left; failing to is not the error to report."""
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError as err:
-        log.warning("cannot remove %s: %s", tmp, err)
 
 
 def _absolute(cgroup_dir: Path) -> str:

@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import MpsUnavailableError, PlatformError, ProcessGoneError
+from agent.errors import MpsCommandError, MpsUnavailableError, PlatformError, ProcessGoneError
+from agent.platform.atomicfile import remove, write_atomic
 from agent.platform.procfs import ProcessIdentity, ProcFS
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ def probe_command(command: Sequence[str]) -> str | None:
 
 
 class MpsDaemon:
-    """The control daemon of one GPU. Not thread-safe: one owner calls it."""
+    """The control daemon of one GPU. Not thread-safe: one caller at a time (the pool's lock
+    for its GPU); ``status()`` and the state attributes may be read from any thread. What
+    keeps it from starting is MpsUnavailableError, a signal that cannot be sent
+    MpsCommandError: PlatformErrors, never a bare OSError."""
 
     def __init__(
         self,
@@ -171,19 +175,17 @@ class MpsDaemon:
         """SIGTERM, then SIGKILL after a grace period; checked by pid + start time."""
         identity, self._identity = self._identity, None
         self.state = DaemonState.STOPPED
-        self._record.unlink(missing_ok=True)
+        self._forget_record()
         if identity is None or not self._procfs.is_alive(identity):
             self._reap()
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(identity.pid, signal.SIGTERM)
+        _kill(identity.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_WAIT_S
         while time.monotonic() < deadline and self._procfs.is_alive(identity):
             self._reap()
             time.sleep(0.02)
         if self._procfs.is_alive(identity):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(identity.pid, signal.SIGKILL)
+            _kill(identity.pid, signal.SIGKILL)
         self._reap()
         log.info("GPU %d: MPS control daemon pid %d stopped", self.gpu, identity.pid)
 
@@ -203,10 +205,17 @@ class MpsDaemon:
         return True
 
     def _start(self) -> None:
-        for d in (self.pipe_dir, self.log_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        self._clean_pipe_dir()
-        (self.pipe_dir / "control").unlink(missing_ok=True)  # a dead daemon's socket
+        """Start the daemon; MpsUnavailableError when it cannot be (its directories cannot
+        be made, the command cannot run, its record cannot be written)."""
+        try:
+            for d in (self.pipe_dir, self.log_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self._clean_pipe_dir()
+            (self.pipe_dir / "control").unlink(missing_ok=True)  # a dead daemon's socket
+        except OSError as err:
+            self.error = f"cannot prepare its directories under {self.home}: {err.strerror or err}"
+            log.error("GPU %d: no MPS: %s", self.gpu, self.error)
+            raise MpsUnavailableError(self.error) from err
         self._socket_id = None
         env = {
             **self._environ,
@@ -224,12 +233,22 @@ class MpsDaemon:
             self.error = f"cannot run {self._command[0]}: {err.strerror or err}"
             log.error("GPU %d: no MPS: %s", self.gpu, self.error)
             raise MpsUnavailableError(self.error) from err
-        self._child = child
         try:
-            self._identity = self._procfs.identity(child.pid)
+            identity = self._procfs.identity(child.pid)
         except (PlatformError, ProcessGoneError):
-            self._identity = ProcessIdentity(child.pid, 0)
-        self._record.write_text(json.dumps({"pid": child.pid, "start_ticks": self._identity.start_ticks}))
+            identity = ProcessIdentity(child.pid, 0)
+        record = json.dumps({"pid": child.pid, "start_ticks": identity.start_ticks}).encode()
+        try:
+            write_atomic(self._record, record)
+        except PlatformError as err:
+            # Unrecorded, the next agent could not adopt it and would start a second one.
+            child.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=STOP_WAIT_S)
+            self.error = f"cannot record it: {err}"
+            log.error("GPU %d: no MPS: %s", self.gpu, self.error)
+            raise MpsUnavailableError(self.error) from err
+        self._child, self._identity = child, identity
         self.state = DaemonState.STARTING
         log.info(
             "GPU %d: started MPS control daemon pid %d: %s", self.gpu, child.pid, " ".join(self._command)
@@ -256,7 +275,7 @@ class MpsDaemon:
         self._reap()
         code, self._exit_code = self._exit_code, None
         self._identity = None
-        self._record.unlink(missing_ok=True)
+        self._forget_record()
         self.error = f"exited{'' if code is None else f' with {code}'}: {self._tail()}".rstrip(": ")
         self._early_deaths = self._early_deaths + 1 if self.state is DaemonState.STARTING else 0
         if self._early_deaths >= GIVE_UP_AFTER:
@@ -286,13 +305,21 @@ class MpsDaemon:
         except _BAD_RECORD:
             return None
         if not self._procfs.is_alive(identity):
-            self._record.unlink(missing_ok=True)
+            self._forget_record()
             return None
         log.info(
             "GPU %d: adopted the MPS control daemon pid %d a previous agent started", self.gpu, identity.pid
         )
         self.state = DaemonState.STARTING
         return identity
+
+    def _forget_record(self) -> None:
+        """Remove daemon.json; one that cannot be removed names a daemon no longer running
+        (adoption checks its pid and start time), so it is logged, not raised."""
+        try:
+            remove(self._record)
+        except PlatformError as err:
+            log.warning("GPU %d: %s", self.gpu, err)
 
     def _reap(self) -> int | None:
         if self._child is None:
@@ -308,6 +335,17 @@ class MpsDaemon:
         except OSError:
             return ""
         return lines[-1][:200] if lines else ""
+
+
+def _kill(pid: int, signum: int) -> None:
+    """Signal the daemon (a pid checked by start time just before); gone already is fine."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return
+    except OSError as err:
+        why = f"cannot signal the MPS control daemon pid {pid}: {err.strerror or err}"
+        raise MpsCommandError(why) from err
 
 
 def _socket_identity(path: Path) -> tuple[int, int] | None:

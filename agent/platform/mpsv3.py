@@ -1,5 +1,6 @@
 """MPS v3 on newer drivers (r615+ / CUDA 13.4; cgroup routing R620): whether this node has it,
-and the namespace commands the agent sends it. Design notes §12, docs/enforcement.md.
+and the namespace commands the agent sends it. docs/reference.md, "Newer drivers: MPS v3 and
+memory limits per cgroup"; docs/enforcement.md.
 
 Detection is what NVIDIA documents as the check: ``nvidia-cuda-mps-control -p 3 -h`` lists
 the ``server`` and ``namespace`` modules on a driver with MPS v3 (an older one refuses
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import DEVNULL
+
+from agent.errors import MpsCommandError
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +75,43 @@ def client_command(daemon_command: Sequence[str]) -> list[str]:
     return [w for w in daemon_command if w != "-f"]
 
 
-def probe_v3(daemon_command: Sequence[str], run: Runner = subprocess.run) -> tuple[bool, str]:
+def run_control(
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    run: Runner | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run one control command (no stdin: an older control that ignores the flags must not
+    wait in its interactive shell), its output captured. Whatever keeps it from running or
+    finishing (missing, not permitted, timed out, a check that failed) is MpsCommandError."""
+    try:
+        return (run or subprocess.run)(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            env=None if env is None else dict(env),
+            stdin=DEVNULL,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise MpsCommandError(f"{' '.join(argv)}: no answer within {timeout_s:g} s") from err
+    except subprocess.CalledProcessError as err:
+        raise MpsCommandError(f"{' '.join(argv)}: exited {err.returncode}") from err
+    except (OSError, subprocess.SubprocessError) as err:  # FileNotFoundError, PermissionError, ...
+        raise MpsCommandError(f"{' '.join(argv)}: {err}") from err
+
+
+def probe_v3(daemon_command: Sequence[str], run: Runner | None = None) -> tuple[bool, str]:
     """Whether ``<program> -p 3 -h`` lists the server and namespace modules; why not."""
     if not daemon_command:
         return False, "no MPS control daemon command is configured"
     argv = [*client_command(daemon_command), "-p", "3", "-h"]
     try:
-        # no stdin: an older control that ignores the flags must not wait in its interactive shell
-        done = run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False, stdin=DEVNULL)
-    except (OSError, subprocess.SubprocessError) as err:
-        return False, f"{' '.join(argv)}: {err}"
+        done = run_control(argv, timeout_s=PROBE_TIMEOUT_S, run=run)
+    except MpsCommandError as err:
+        return False, str(err)
     text = f"{done.stdout}\n{done.stderr}"
     words = set(re.findall(r"[a-z_]+", text.lower()))
     if done.returncode == 0 and {"server", "namespace"} <= words:
@@ -118,7 +149,7 @@ def detect(
     daemon_command: Sequence[str],
     pci_by_gpu: Mapping[int, str],
     *,
-    run: Runner = subprocess.run,
+    run: Runner | None = None,
     capacity: Path = DMEM_CAPACITY,
 ) -> MpsCapability:
     v3, detail = probe_v3(daemon_command, run)
@@ -145,24 +176,17 @@ def send(
     pipe_dir: Path,
     words: Sequence[str],
     *,
-    environ: Mapping[str, str],
-    run: Runner = subprocess.run,
+    environ: Mapping[str, str] | None = None,
+    run: Runner | None = None,
 ) -> str | None:
-    """Run one v3 command against the daemon at ``pipe_dir``; why it failed (None: done)."""
+    """Run one v3 command against the daemon at ``pipe_dir`` (``environ``: the agent's own
+    environment when None); why it failed (None: done)."""
     argv = [*client_command(daemon_command), "-p", "3", *words]
-    env = {**environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
+    env = {**(os.environ if environ is None else environ), "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
     try:
-        done = run(
-            argv,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-            check=False,
-            env=env,
-            stdin=DEVNULL,
-        )
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"{' '.join(words)}: {err}"
+        done = run_control(argv, timeout_s=COMMAND_TIMEOUT_S, env=env, run=run)
+    except MpsCommandError as err:
+        return f"{' '.join(words)}: {err.__cause__ or err}"
     out = (done.stdout or "").strip()
     if done.returncode != 0 or out.startswith("Error"):
         why = out or (done.stderr or "").strip()

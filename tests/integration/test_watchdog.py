@@ -172,6 +172,7 @@ def test_watchdog_starts_fast_and_light(tmp_path: Path) -> None:
         "agent",
         "agent.errors",
         "agent.platform",
+        "agent.platform.atomicfile",
         "agent.platform.cgroups",
         "agent.platform.cgroups.freezer",
         "agent.platform.freezejournal",

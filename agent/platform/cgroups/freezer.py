@@ -42,6 +42,18 @@ def freezer_file(cgroup_dir: Path) -> Path | None:
     return None
 
 
+def freezer_access(cgroup_dir: Path) -> tuple[Path, bool] | None:
+    """The freezer file of ``cgroup_dir`` and whether this process may write it; None when
+    the directory has neither file; CgroupGoneError when the directory does not exist
+    (not created yet, or removed)."""
+    path = freezer_file(cgroup_dir)
+    if path is None:
+        if not cgroup_dir.is_dir():
+            raise CgroupGoneError(f"cgroup {cgroup_dir} does not exist")
+        return None
+    return path, os.access(path, os.W_OK)
+
+
 def set_frozen(cgroup_dir: Path, frozen: bool) -> None:
     """Freeze or thaw ``cgroup_dir``; raises CgroupGoneError when it was removed.
 

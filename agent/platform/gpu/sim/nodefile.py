@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.errors import SimulationError
+from agent.errors import PlatformError, SimulationError
+from agent.platform.atomicfile import write_atomic
 
 NODE_FILE = "node.json"
 SOCKET_FILE = "gpu.sock"
@@ -105,15 +105,11 @@ class SimNodeDir:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    """Write atomically (:func:`agent.platform.atomicfile.write_atomic`), readable by its owner."""
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise SimulationError(f"cannot write {path}: {err}") from err
+        write_atomic(path, json.dumps(payload).encode(), mode=0o600)
+    except PlatformError as err:
+        raise SimulationError(str(err)) from err
 
 
 def pid_alive(pid: int) -> bool:

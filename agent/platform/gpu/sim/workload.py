@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import InvalidSpecError, SimulationError
+from agent.errors import InvalidSpecError, PlatformError, SimulationError
+from agent.platform.atomicfile import write_atomic
 from agent.platform.gpu.mpspartition import parse_percentage
 from agent.platform.gpu.sim.client import ContextClient
 from agent.platform.gpu.sim.driver import SimDriverCalls
@@ -54,7 +55,7 @@ class WorkloadSpec:
     grow_after_s: float = 0.0
     grow_step_mib: int = 0  # grow by this much every grow_every_s (0: all at once)
     grow_every_s: float = 0.0
-    driver_ioctls: bool = False  # issue NVIDIA-shaped ioctls for the tracer (driver.py)
+    driver_ioctls: bool = False  # make NVIDIA-shaped ioctls for the tracer (driver.py)
     progress: Path | None = None  # append each step's completion wall time here (--progress)
     latency_after_s: float = 0.0  # latency percentiles over requests answered after this long
 
@@ -229,9 +230,7 @@ def report(spec: WorkloadSpec, stats: WorkloadStats) -> dict[str, Any]:
 
 
 def write_report(path: Path, content: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(content))
-        tmp.replace(path)
-    except OSError as err:
-        raise SimulationError(f"cannot write the workload report {path}: {err}") from err
+        write_atomic(path, json.dumps(content).encode())
+    except PlatformError as err:
+        raise SimulationError(f"cannot write the workload report {path}: {err.__cause__ or err}") from err
