@@ -4,8 +4,8 @@
 #   docker build --build-arg VERSION=0.1.0 --build-arg REVISION=$(git rev-parse HEAD) \
 #     --build-arg SOURCE_DATE_EPOCH=$(git log -1 --format=%ct) -t REGISTRY/vcuda-agent:0.1.0 .
 #
-# Reproducibility: Python packages are pinned exactly (deploy/image/constraints.txt, the build
-# backend included) and byte-compiled without timestamps; Debian packages come from the
+# Reproducibility: Python packages are pinned exactly (requirements.lock, the one lock the
+# test venv installs too; the build backend included) and byte-compiled without timestamps; Debian packages come from the
 # base image's suite. The base is pinned by tag; the reproducible form is a digest,
 # `--build-arg BASE_IMAGE=debian:bookworm-slim@sha256:<digest>`, with apt pointed at
 # snapshot.debian.org for the same date to pin the Debian packages too.
@@ -17,7 +17,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY deploy/image/constraints.txt ./
+COPY requirements.lock ./
 COPY pyproject.toml README.md ./
 COPY agent ./agent
 # PIP_CONSTRAINT (not -c) also reaches pip's isolated build environment (setuptools).
@@ -27,7 +27,7 @@ COPY agent ./agent
 # with its bytecode; the agent uses the synchronous one), with aiohttp and the packages
 # only aiohttp needs (13 MB).
 RUN python3 -m venv /opt/vcuda-agent \
- && PIP_CONSTRAINT=/src/constraints.txt /opt/vcuda-agent/bin/pip install -q --no-compile . \
+ && PIP_CONSTRAINT=/src/requirements.lock /opt/vcuda-agent/bin/pip install -q --no-compile . \
  && /opt/vcuda-agent/bin/pip uninstall -y -q aiohttp-retry aiohttp aiosignal aiohappyeyeballs \
       frozenlist multidict yarl propcache attrs setuptools \
  && rm -r "$(/opt/vcuda-agent/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kubernetes/aio" \

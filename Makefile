@@ -4,13 +4,15 @@ PYTHON ?= /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The one lock (deploy/image/freeze_constraints.py): the venv and the image install these versions.
+LOCK := requirements.lock
 PROTOS := $(wildcard agent/platform/kubelet/pb/*.proto)
 # helm and kubectl (deploy/host/get-helm.sh) for the Helm chart: its tests and `make chart`.
 TOOLS := .tools
 HELM := $(TOOLS)/helm
 CHART := deploy/helm/vcuda-agent
 
-.PHONY: all setup host demo test lint format bench gpu-check image chart proto clean
+.PHONY: all setup host demo test test-repeat lint format bench gpu-check image chart lock proto clean
 
 all: test
 
@@ -18,10 +20,10 @@ host:
 	@bash deploy/host/setup.sh
 
 # The venv: the package editable with its dev tools, and Debian's bcc linked in.
-$(STAMP): pyproject.toml | host
+$(STAMP): pyproject.toml $(LOCK) | host
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[dev]'
+	PIP_CONSTRAINT=$(CURDIR)/$(LOCK) $(VPY) -m pip install -q -e '.[dev]'
 	@site=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	  ln -sfn /usr/lib/python3/dist-packages/bcc "$$site/bcc"; \
 	  $(VPY) -c 'import bcc, os; print("setup: bcc", bcc.__version__ if hasattr(bcc, "__version__") else "", "from", os.path.realpath(bcc.__file__))'
@@ -46,6 +48,15 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup
 # $(TOOLS) goes last on PATH: its kubectl (for `kubectl kustomize`) only where none is installed.
 test: setup
 	PATH="$$PATH:$(CURDIR)/$(TOOLS)" $(VPY) -m pytest $(PYTEST_ARGS)
+
+# The real-process tier N times (default 3), every run to its end: a test that fails in one of
+# them is a flake to find the cause of. `make test-repeat N=5`.
+N ?= 3
+test-repeat: setup
+	@fails=0; for i in $$(seq $(N)); do echo "test-repeat: run $$i of $(N)"; \
+	  PATH="$$PATH:$(CURDIR)/$(TOOLS)" $(VPY) -m pytest $(PYTEST_ARGS) -q tests/integration tests/runtime \
+	    || fails=$$((fails + 1)); done; \
+	  echo "test-repeat: $$fails of $(N) runs failed"; test $$fails -eq 0
 
 lint: setup
 	$(VENV)/bin/ruff check agent tests bench
@@ -78,6 +89,15 @@ image: host
 chart: $(HELM)
 	$(HELM) lint --strict $(CHART)
 	$(HELM) package $(CHART) --destination dist
+
+# Refresh the lock: a throw-away venv with the newest versions pyproject.toml allows, frozen.
+# Then `make test` (the venv follows the lock) before committing it.
+lock: host
+	@rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python -m pip install -q -e '.[dev]'
+	.lock-venv/bin/python deploy/image/freeze_constraints.py > $(LOCK).new && mv $(LOCK).new $(LOCK)
+	@rm -rf .lock-venv && echo "lock: $(LOCK) refreshed"
 
 # Regenerate the gRPC stubs (committed) from the .proto files.
 proto: setup

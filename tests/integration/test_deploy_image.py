@@ -33,7 +33,7 @@ BUILD_TOOLS = re.compile(
     r"^(build-essential|gcc(-\d+)?|g\+\+(-\d+)?|cpp(-\d+)?|clang(-\d+)?|make|cmake|ninja-build|"
     r"libc6?-dev|python3(\.\d+)?-dev|linux-headers-.*|bpfcc-tools|libbpfcc-dev|llvm(-\d+)?(-dev)?)$"
 )
-CONSTRAINTS = ROOT / "deploy/image/constraints.txt"
+CONSTRAINTS = ROOT / "requirements.lock"
 FREEZE = ROOT / "deploy/image/freeze_constraints.py"
 
 
@@ -119,8 +119,8 @@ def test_the_entrypoint_is_vcuda_agent_run() -> None:
 
 def test_python_packages_are_pinned_exactly_and_satisfy_pyproject() -> None:
     _, (build, _) = dockerfile()
-    assert any(c.keyword == "COPY" and "deploy/image/constraints.txt" in c.text for c in build.instructions)
-    assert any("PIP_CONSTRAINT=/src/constraints.txt" in r.text for r in build.all("RUN"))
+    assert any(c.keyword == "COPY" and "requirements.lock" in c.text for c in build.instructions)
+    assert any("PIP_CONSTRAINT=/src/requirements.lock" in r.text for r in build.all("RUN"))
     pinned = pins()
     project = pyproject()
     needed = [Requirement(r) for r in project["project"]["dependencies"]]
@@ -131,22 +131,22 @@ def test_python_packages_are_pinned_exactly_and_satisfy_pyproject() -> None:
         assert req.specifier.contains(version, prereleases=True), f"{req.name}=={version} breaks {req}"
 
 
-def test_the_pins_cover_every_package_the_agent_installs() -> None:
-    """A dependency's new dependency would be installed unpinned: refresh the constraints."""
+def test_the_venv_is_the_lock_and_the_lock_covers_every_package() -> None:
+    """The tests run on what the image installs: the venv (make setup, through the same lock)
+    holds exactly the locked versions, and every package the agent and its dev tools install
+    is locked (a dependency's new dependency would come in unpinned: refresh with make lock)."""
     spec = importlib.util.spec_from_file_location("freeze_constraints", FREEZE)
     assert spec is not None and spec.loader is not None
     freeze = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(freeze)
-    installed: dict[str, str] = freeze.runtime_closure()
+    installed: dict[str, str] = freeze.locked_closure()
     pinned = pins()
     drift = {n: (v, pinned[n]) for n, v in installed.items() if n in pinned and pinned[n] != v}
-    if drift:  # other versions may need other packages: nothing to conclude from this venv
-        pytest.skip(f"this venv is not the one the pins came from (installed, pinned): {drift}")
+    assert not drift, f"this venv is not the lock's (installed, locked): {drift}; run make setup"
     missing = set(installed) - set(pinned)
-    assert not missing, (
-        f"not pinned: {sorted(missing)}; run .venv/bin/python deploy/image/freeze_constraints.py "
-        "> deploy/image/constraints.txt"
-    )
+    assert not missing, f"not locked: {sorted(missing)}; run make lock"
+    runtime = set(freeze.runtime_closure())
+    assert runtime <= set(pinned), "the image's packages are locked too"
 
 
 @pytest.mark.parametrize("line", ["RUN apt-get install -y gcc", "RUN apt-get install -y python3"])
