@@ -23,13 +23,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.platform.cgroups.detect import CgroupDriver
 from agent.platform.cgroups.paths import QosClass, container_names, pod_relpath
+from agent.platform.cgroups.tree import remove_dir
 
 _PASSED = ("CUDA_", "NVIDIA_", "VCUDA_")
 
@@ -134,14 +134,4 @@ def container_env(envs: Mapping[str, str], mounts: Sequence[tuple[str, str]]) ->
 
 def remove_cgroup_dir(path: Path) -> None:
     """rmdir, retried for 5 s: an exiting process leaves its cgroup a moment after wait()."""
-    deadline = time.monotonic() + 5.0
-    while True:
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    remove_dir(path, busy_wait_s=5.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from agent.errors import PlatformError
 
-RMDIR_RETRY_S = 0.1
+RMDIR_RETRY_S = 0.02
 
 
 def dirs_deepest_first(top: Path) -> list[Path]:
