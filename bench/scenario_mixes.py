@@ -20,13 +20,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from enforcement_model import PERIOD_S
+from enforcement_model import PERIOD_S, Box, box_spec
 
 from agent.clock import VirtualClock
-from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -106,19 +105,10 @@ def member_spec(member: Member) -> EnforcementSpec:
     is the request, so a burst-share without one may burst to 100, a best-effort one has no
     ceiling whatever its cap)."""
     limit_set = member.policy == "burst-share" and member.limit is not None
-    return EnforcementSpec(
-        pod_uid=f"uid-{member.name}",
-        namespace="default",
-        pod=f"pod-{member.name}",
-        container="c",
-        container_id=f"cid-{member.name}",
-        runtime="containerd",
-        qos_class="Burstable",
-        gpus=(0,),
-        cores=member.cores,
+    spec = box_spec(Box(member.name, member.cores, member.policy))
+    return replace(
+        spec,
         cap=member.limit if limit_set and member.limit is not None else member.cores,
-        memory_quota_mib=1024,
-        policy=Policy(member.policy),
         limit_set=limit_set,
     )
 
