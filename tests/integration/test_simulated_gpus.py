@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +230,8 @@ def test_an_agent_restart_attaches_to_the_running_gpus(short_dir: Path) -> None:
         deadline = time.monotonic() + 20
         while not (short_dir / "gpu.sock").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        # no wait for node.json: an agent that finds the socket bound before the server
+        # has published its node waits for it instead of starting a second server
         for _ in range(2):  # an agent, then its restart: the same server both times
             sim = SimulatedBackend("1xH100-80GB", "n1", short_dir)
             assert sim.node.server_pid == server.pid
@@ -236,6 +239,32 @@ def test_an_agent_restart_attaches_to_the_running_gpus(short_dir: Path) -> None:
         assert server.poll() is None
         with pytest.raises(SimulationError, match="is 1xH100-80GB named n1"):
             SimulatedBackend("2xH100-80GB", "n1", short_dir)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=10) == 0
+
+
+def test_an_agent_waits_for_a_starting_server_instead_of_starting_a_second(short_dir: Path) -> None:
+    """The window between the server binding its socket and publishing node.json: an
+    agent that starts in it attaches to that server (a second one would take its socket)."""
+    server = subprocess.Popen(
+        [CLI, "sim-gpu", "--simulate", "1xH100-80GB", "--node-name", "n1", "--sim-state-dir", str(short_dir)]
+    )
+    node_file, hidden = short_dir / "node.json", short_dir / "node.json.hidden"
+    try:
+        deadline = time.monotonic() + 20
+        while not node_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        node_file.rename(hidden)  # the server as it is between bind and publish
+        publisher = threading.Timer(0.5, hidden.rename, args=(node_file,))
+        publisher.start()
+        sim = SimulatedBackend("1xH100-80GB", "n1", short_dir)
+        try:
+            assert sim.node.server_pid == server.pid
+        finally:
+            sim.close()
+            publisher.join()
+        assert server.poll() is None
     finally:
         server.terminate()
         assert server.wait(timeout=10) == 0

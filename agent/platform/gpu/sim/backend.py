@@ -21,6 +21,7 @@ import fcntl
 import itertools
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -122,11 +123,8 @@ class SimulatedBackend:
         return fd
 
     def _attach_or_start(self, spec: str, node_name: str, server_args: Sequence[str]) -> SimNode:
-        try:
-            node = self.root.read_node()
-        except SimulationError:
-            node = None
-        if node is not None and pid_alive(node.server_pid) and _answers(self.root):
+        node = self._running_node()
+        if node is not None:
             if node.spec != spec or node.node_name != node_name:
                 raise SimulationError(
                     f"the simulated node at {self.root.root} is {node.spec} named {node.node_name}, "
@@ -138,6 +136,22 @@ class SimulatedBackend:
             )
             return node
         return self._start(spec, node_name, server_args)
+
+    def _running_node(self) -> SimNode | None:
+        """The node of a server that runs here, or None when none does. A server that is
+        starting (its socket bound, node.json not yet written) or too busy to answer at once
+        is waited for, never replaced: a second server would take the first one's socket."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                node: SimNode | None = self.root.read_node()
+            except SimulationError:
+                node = None
+            if node is not None and pid_alive(node.server_pid) and _answers(self.root):
+                return node
+            if not _accepts(self.root) or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _start(self, spec: str, node_name: str, server_args: Sequence[str]) -> SimNode:
         read_end, write_end = os.pipe()  # the server stops when this process (the write end) is gone
@@ -352,6 +366,17 @@ def _tail(kept: collections.deque[_Stamped], since_us: int) -> list[_Stamped]:
     newer = list(itertools.takewhile(lambda s: s.timestamp_us > since_us, reversed(kept)))
     newer.reverse()
     return newer
+
+
+def _accepts(root: SimNodeDir) -> bool:
+    """Whether a server listens on the node's socket (it may not answer yet)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(root.socket))
+        except OSError:
+            return False
+    return True
 
 
 def _answers(root: SimNodeDir) -> bool:
