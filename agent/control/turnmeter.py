@@ -1,13 +1,18 @@
 """Measuring what each container of a GPU ran, for the turns (:mod:`agent.control.turnloop`):
 device samples attributed through the agent's own record of whom it thawed when
-(:mod:`agent.domain.fluid`), and the held containers' accounts settled with it.
+(:mod:`agent.domain.fluid`), corrected by NVML's per-process credits where the record cannot
+tell (:mod:`agent.domain.credits`), and the held containers' accounts settled with it.
 
 Each control period the meter reads the GPU's new device samples (``nvmlDeviceGetSamples``:
 the busy percent of every sample period) and its per-process samples (``nvmlDeviceGetProcessUtilization``).
 The device samples carry the measurement: each is split between the containers the record
 says could have run then, and the split is each container's work. The per-process samples
-are used only where the record cannot decide: between unheld containers that ran together
-(they time-slice; the split follows what NVML credited each of them recently), and to tell
+decide where the record cannot: between containers that ran at the same time (unheld ones
+thawed together, a drain under a neighbour's turn) each credit sets the credited
+container's work over the credit's window and moves the difference from or to the others
+beside it; the correction counts at the credit's instant and a held container's account
+pays it over the next ``CreditSettings.settle_spread_s``. Before a credit comes, unheld
+containers that ran together are split as NVML credited them recently; the credits also tell
 whether an unheld container uses the GPU at all.
 
 Time here is the control loop's monotonic clock; device samples are stamped in wall time and
@@ -30,6 +35,7 @@ from agent.control.usagemeter import (
     collect_done,
     container_key,
 )
+from agent.domain.credits import CreditBook, CreditSettings
 from agent.domain.fluid import Attribution
 from agent.domain.turns import Account, TurnSettings
 from agent.errors import DeviceSamplesUnsupportedError, VcudaError
@@ -60,6 +66,14 @@ class GpuTurnsData:
     last_error: str = ""
     unsupported: str = ""  # the driver has no device samples here: the turns cannot run
     free: set[str] = field(default_factory=set)  # unheld containers (their work is split by credits)
+    book: CreditBook[str] = field(default_factory=CreditBook)
+    unsettled: dict[str, float] = field(default_factory=dict)  # corrections held accounts still owe
+    candidates: collections.deque[tuple[float, frozenset[str]]] = field(
+        default_factory=collections.deque
+    )  # (end, who could have run in the period)
+    observed: collections.deque[tuple[float, str, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=4096)
+    )  # credits not yet applied: (instant, key, percent)
 
     def typical_period(self) -> float:
         """The device sample period: the median of the recent gaps between samples."""
@@ -82,6 +96,7 @@ class TurnMeter:
         clock: Clock,
         report: Callable[[int, str], None],
         stale_after_s: float = STALE_AFTER_S,
+        credits: CreditSettings | None = None,
     ) -> None:
         self._samples = samples
         self._submitting = samples if isinstance(samples, SubmittingSource) else None
@@ -91,7 +106,10 @@ class TurnMeter:
         self._report = report
         self._stale_after_s = stale_after_s
         now = clock.monotonic()
-        self.gpus = {g: GpuTurnsData(Attribution(now), fresh_at=now) for g in gpus}
+        self._credits = credits or CreditSettings()
+        self.gpus = {
+            g: GpuTurnsData(Attribution(now), fresh_at=now, book=CreditBook(self._credits)) for g in gpus
+        }
         self._in_flight: dict[int, tuple[Pending[list[DeviceSample]], Pending[list[ProcessSample]]]] = {}
         self.errors = 0
 
@@ -141,6 +159,7 @@ class TurnMeter:
         data.last_error = ""
         self._take_processes(gpu, data, processes)
         self._take_device(data, device)
+        self._apply_credits(data)
 
     def _failed(self, gpu: int, err: VcudaError) -> None:
         data = self.gpus[gpu]
@@ -159,6 +178,7 @@ class TurnMeter:
             key = self._key(s.pid)
             if key is not None and s.sm_util > 0:
                 data.credits.append((s.timestamp_us / 1e6 - offset, key, float(s.sm_util)))
+                data.observed.append((s.timestamp_us / 1e6 - offset, key, float(s.sm_util)))
         horizon = self._clock.monotonic() - HISTORY_S
         while data.credits and data.credits[0][0] < horizon:
             data.credits.popleft()
@@ -182,16 +202,49 @@ class TurnMeter:
 
     def _attribute(self, data: GpuTurnsData, end: float, period: float, util: float) -> None:
         work = data.attribution.take(end, period, util)
+        data.candidates.append((end, data.attribution.last_candidates))
         work = self._split_free(data, end, work)
         data.busy.append((end, util / 100 * period))
         for key, seconds in work.items():
             data.work.setdefault(key, collections.deque()).append((end, seconds))
+        spread = min(1.0, period / self._credits.settle_spread_s)
         for key, account in data.accounts.items():
-            account.settle(end, work.get(key, 0.0), self._settings)
+            # A credit's correction is paid over the next settle_spread_s, not at once: one
+            # lump would lengthen or shorten a single turn (a latency spike), not the share.
+            late = data.unsettled.pop(key, 0.0)
+            if abs(late) > 1e-9:
+                data.unsettled[key] = late * (1 - spread)
+            account.settle(end, work.get(key, 0.0) + late * spread, self._settings)
         horizon = end - HISTORY_S
         for history in (data.busy, *data.work.values()):
             while history and history[0][0] < horizon:
                 history.popleft()
+        while data.candidates and data.candidates[0][0] < horizon:
+            data.candidates.popleft()
+
+    def _apply_credits(self, data: GpuTurnsData) -> None:
+        """Each credit whose instant the device samples have reached corrects the split over
+        its window (:mod:`agent.domain.credits`); a correction counts at the credit's instant
+        (a later credit's window then holds it), however late the credit came."""
+        end = data.last_stamp_s
+        if end is None:
+            return
+        period = data.typical_period()
+        window = data.book.window_s(period)
+        while data.observed and data.observed[0][0] <= end + 1e-6:
+            at, key, value = data.observed.popleft()
+            if at < end - HISTORY_S / 2:
+                continue
+            since, until = at - window + period / 2, at + period / 2  # the periods that end in it
+            given = {k: max(0.0, _between(h, since, until)) for k, h in data.work.items()}
+            periods = [c for e, c in data.candidates if since < e <= until]
+            # Alone: the record says nobody else could have run, and NVML credited nobody else.
+            alone = bool(periods) and all(c <= {key} for c in periods)
+            alone = alone and not any(k != key and since < t <= until for t, k, _u in data.credits)
+            for k, seconds in data.book.correct(key, value, window, given, alone=alone).items():
+                _insert(data.work.setdefault(k, collections.deque()), at, seconds)
+                if k in data.accounts:
+                    data.unsettled[k] = data.unsettled.get(k, 0.0) + seconds
 
     def _split_free(self, data: GpuTurnsData, end: float, work: dict[str, float]) -> dict[str, float]:
         """Unheld containers that ran together time-sliced: split their work as NVML credited
@@ -224,7 +277,7 @@ class TurnMeter:
         data = self.gpus[gpu]
         if data.last_stamp_s is None:
             return None
-        return 100 * _recent_sum(data.work.get(key, ()), data.last_stamp_s - window_s) / window_s
+        return max(0.0, 100 * _recent_sum(data.work.get(key, ()), data.last_stamp_s - window_s) / window_s)
 
     def credited(self, gpu: int, key: str, window_s: float) -> bool:
         """Whether NVML credited the container with GPU use in the last ``window_s``."""
@@ -258,6 +311,8 @@ class TurnMeter:
         data.accounts.pop(key, None)
         data.work.pop(key, None)
         data.free.discard(key)
+        data.book.forget(key)
+        data.unsettled.pop(key, None)
 
 
 def _recent_sum(history: Reversible[tuple[float, float]], since: float) -> float:
@@ -269,3 +324,26 @@ def _recent_sum(history: Reversible[tuple[float, float]], since: float) -> float
             break
         total += seconds
     return total
+
+
+def _between(history: Reversible[tuple[float, float]], since: float, until: float) -> float:
+    """The seconds of a time-ordered (end, seconds) history that end in (since, until]."""
+    total = 0.0
+    for end, seconds in reversed(history):
+        if end <= since:
+            break
+        if end <= until:
+            total += seconds
+    return total
+
+
+def _insert(history: collections.deque[tuple[float, float]], end: float, seconds: float) -> None:
+    """Add (end, seconds) to a time-ordered history (near its tail: a credit is recent)."""
+    n = len(history)
+    i = n
+    while i > 0 and history[i - 1][0] > end:
+        i -= 1
+    if i == n:
+        history.append((end, seconds))
+    else:
+        history.insert(i, (end, seconds))

@@ -112,6 +112,7 @@ class Attribution(Generic[K]):
         self.drain_seen: dict[K, float] = {}  # when each container's drain was last measured
         self.drain_over: dict[K, float] = {}  # ...and when the last one was over, measured or not
         self._last_frozen: K | None = None
+        self.last_candidates: frozenset[K] = frozenset()  # who could have run in the last sample's period
 
     @property
     def replayed_to(self) -> float:
@@ -151,6 +152,13 @@ class Attribution(Generic[K]):
         for key, seconds in running.items():
             out[key] = given * seconds / ran
         self._credit_drains(busy - given, draining, out)
+        self.last_candidates = frozenset(
+            [
+                *thawed_time,
+                *(k for k, v in draining.items() if v > EPS),
+                *(k for k, v in out.items() if v > EPS),
+            ]
+        )
         for d in self._drains:
             if any(o is not d and o.at < d.until and d.at < o.until for o in self._drains):
                 d.clean = False  # two drains at once: whose the busy time was is a guess
