@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
 
 from scenario_buckets import BucketBook, Member
 from scenarios import TurnsController, register
@@ -117,6 +116,7 @@ class BucketsController:
             else None
         )
         self.seen_to: float | None = None
+        self.measured_total: dict[str, float] = {}
 
     # Acting ------------------------------------------------------------------------------
     def _act(self, key: str, thaw: bool) -> None:
@@ -156,11 +156,15 @@ class BucketsController:
             return {}
         self.meter.read([0], wait_s=0.0)
         data = self.meter.gpus[0]
-        for end, busy_s in [(e, b) for e, b in data.busy if self.seen_to is None or e > self.seen_to + 1e-9]:
-            work = {k: _at(data.work.get(k, ()), end) for k in keys}
+        fresh = [(e, b) for e, b in data.busy if self.seen_to is None or e > self.seen_to + 1e-9]
+        for end, busy_s in fresh:
             self.busy.append((end, busy_s, data.typical_period()))
-            self._settle(end, work, keys)
-            self.seen_to = end
+        if fresh:
+            # What the meter measured since the last read, its credits' corrections included.
+            work = {k: data.total.get(k, 0.0) - self.measured_total.get(k, 0.0) for k in keys}
+            self.measured_total = {k: data.total.get(k, 0.0) for k in keys}
+            self.seen_to = fresh[-1][0]
+            self._settle(self.seen_to, work, keys)
         return data.attribution.project(now)
 
     def _settle(self, end: float, ran: dict[str, float], keys: list[str]) -> None:
@@ -239,16 +243,6 @@ class BucketsController:
             used, end = self.meter.used(0, key, window_s), self.meter.gpus[0].last_stamp_s
             return None if used is None or end is None else (used, end)
         return 100 * self._window(key, window_s)[0] / window_s, self.measured_to
-
-
-def _at(history: Any, end: float) -> float:
-    """The seconds a time-ordered (end, seconds) history holds for the period ending at ``end``."""
-    for at, seconds in reversed(history):
-        if abs(at - end) < 1e-9:
-            return float(seconds)
-        if at < end:
-            break
-    return 0.0
 
 
 register("turns-oracle", TurnsOracle)

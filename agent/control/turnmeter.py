@@ -67,6 +67,7 @@ class GpuTurnsData:
     unsupported: str = ""  # the driver has no device samples here: the turns cannot run
     free: set[str] = field(default_factory=set)  # unheld containers (their work is split by credits)
     book: CreditBook[str] = field(default_factory=CreditBook)
+    total: dict[str, float] = field(default_factory=dict)  # GPU seconds ever measured, corrections in
     unsettled: dict[str, float] = field(default_factory=dict)  # corrections held accounts still owe
     candidates: collections.deque[tuple[float, frozenset[str]]] = field(
         default_factory=collections.deque
@@ -207,6 +208,7 @@ class TurnMeter:
         data.busy.append((end, util / 100 * period))
         for key, seconds in work.items():
             data.work.setdefault(key, collections.deque()).append((end, seconds))
+            data.total[key] = data.total.get(key, 0.0) + seconds
         spread = min(1.0, period / self._credits.settle_spread_s)
         for key, account in data.accounts.items():
             # A credit's correction is paid over the next settle_spread_s, not at once: one
@@ -243,6 +245,7 @@ class TurnMeter:
             alone = alone and not any(k != key and since < t <= until for t, k, _u in data.credits)
             for k, seconds in data.book.correct(key, value, window, given, alone=alone).items():
                 _insert(data.work.setdefault(k, collections.deque()), at, seconds)
+                data.total[k] = data.total.get(k, 0.0) + seconds
                 if k in data.accounts:
                     data.unsettled[k] = data.unsettled.get(k, 0.0) + seconds
 
