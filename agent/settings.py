@@ -22,6 +22,7 @@ DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock
 DEFAULT_BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # the C sources (repo or image path)
 DEFAULT_METRICS_PORT = 5678  # gpu-manager's port; 9400 stays free for dcgm-exporter
 DEFAULT_STATE_DIR = Path("/run/vcuda-agent")  # freeze journal, status socket (a hostPath in the DaemonSet)
+MIG_REFRESH_S = 5.0  # how often the MIG inventory (modes, MIG devices) is read again (control/migwatch.py)
 
 
 class DeviceListStrategy(enum.StrEnum):

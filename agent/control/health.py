@@ -1,4 +1,5 @@
-"""The health loop: backend events → policy → health board (→ ListAndWatch)."""
+"""The health loop: backend events → policy → health board (→ ListAndWatch); an XID of a MIG
+GPU instance marks that instance, not its GPU."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import threading
 
 from agent.domain.health import HealthBoard, HealthPolicy
-from agent.platform.gpu.inventory import GpuBackend
+from agent.platform.gpu.inventory import EventKind, GpuBackend
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,18 @@ class HealthMonitor:
                     )
                     continue
                 healthy, reason = verdict
+                state = "Healthy" if healthy else "Unhealthy"
+                if event.gpu_instance is not None:  # a MIG instance's XID: that instance only
+                    if self._board.set_instance(event.gpu_index, event.gpu_instance, healthy, reason):
+                        log.warning(
+                            "GPU %d GPU instance %d is now %s: %s",
+                            event.gpu_index,
+                            event.gpu_instance,
+                            state,
+                            reason,
+                        )
+                    continue
+                if event.kind is EventKind.RECOVERED:
+                    self._board.clear_instances(event.gpu_index)  # a reset: its instances start anew
                 if self._board.set(event.gpu_index, healthy, reason):
-                    state = "Healthy" if healthy else "Unhealthy"
                     log.warning("GPU %d is now %s: %s", event.gpu_index, state, reason)

@@ -6,10 +6,11 @@
   and re-asserts at once, and re-checks every ``check_interval_s`` anyway.
 - The inventory annotation (``domain/nodeinventory.py``) for the scheduler extender,
   written when its content changes and at least every ``heartbeat_s`` (the heartbeat).
-- GPU feature discovery's labels (product, count, memory).
+- GPU feature discovery's labels (product, count, memory; with a MIG source, the MIG labels
+  too: ``domain/miginventory.py``), and the MIG side of each GPU in the annotation.
 
-What triggers a pass: a node watch event (at once), a GPU health change or a new memory
-scaling (within ``poll_s``), the periodic check, the heartbeat. API errors never leave
+What triggers a pass: a node watch event (at once), a GPU health change, a MIG change or a new
+memory scaling (within ``poll_s``), the periodic check, the heartbeat. API errors never leave
 ``run()``: they are logged once per distinct message, counted, and retried with back-off
 capped at ``check_interval_s`` so a recovered API server gets the node right again within
 one check interval.
@@ -27,6 +28,7 @@ from typing import Any
 from agent.clock import Clock, SystemClock
 from agent.control.retrylog import RetryLog
 from agent.domain.health import HealthBoard
+from agent.domain.miginventory import MigEntry, mig_entry, mig_labels, stale_count_labels
 from agent.domain.nodeinventory import (
     CAPACITY_RESOURCE,
     INVENTORY_ANNOTATION,
@@ -39,11 +41,13 @@ from agent.domain.nodeinventory import (
 )
 from agent.errors import KubeError
 from agent.platform.gpu.inventory import GpuInfo, Topology
+from agent.platform.gpu.migstate import MigInfo
 from agent.platform.kube.nodes import NodeClient, NodeWatch
 
 log = logging.getLogger(__name__)
 
 _MIN_BACKOFF_S = 0.5
+MigSource = Callable[[], tuple[int, Mapping[int, MigInfo]]]  # (version, MIG state per GPU index)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,9 @@ class NodePublisher:
         check_interval_s: float = 10.0,
         heartbeat_s: float = 30.0,
         poll_s: float = 0.5,
+        mig: MigSource | None = None,
     ) -> None:
+        """``mig``: the GPUs' MIG state (``MigWatch.snapshot``); None publishes no MIG."""
         self._nodes = nodes
         self._watch = watch
         self._gpus = tuple(sorted(gpus, key=lambda g: g.index))
@@ -100,6 +106,8 @@ class NodePublisher:
         self._heartbeat_s = heartbeat_s
         self._poll_s = poll_s
         self._labels = gpu_labels(self._gpus)
+        self._mig = mig
+        self._seen_mig = 0
         self._lock = threading.Lock()
         self._stats = PublisherStats()
         self._heartbeat_at: float | None = None  # clock.monotonic() of our last annotation write
@@ -138,19 +146,22 @@ class NodePublisher:
         self._seen_node = self._watch.version
         self._seen_board, health = self._board.snapshot()
         self._seen_scaling = self._scaling()
+        healthy = {index: state.healthy for index, state in health.items()}
+        labels, mig = self._mig_view(healthy)
         desired = build_inventory(
             self._node_name,
             self._gpus,
             self._topology,
-            healthy={index: state.healthy for index, state in health.items()},
+            healthy=healthy,
             scaling=self._seen_scaling,
             heartbeat=0.0,
+            mig=mig,
         )
         try:
             node = self._watch.current()
-            plan = self._plan(node, desired) if node is not None else None
+            plan = self._plan(node, desired, labels) if node is not None else None
             if plan is None or plan.needed:
-                plan = self._plan(self._nodes.get(), desired)
+                plan = self._plan(self._nodes.get(), desired, labels)
             self._apply(plan, desired)
         except KubeError as err:
             self._failed(err)
@@ -158,15 +169,35 @@ class NodePublisher:
         self._succeeded()
         return True
 
-    def _plan(self, node: Mapping[str, Any], desired: NodeInventory) -> _Plan:
+    def _mig_view(
+        self, healthy: Mapping[int, bool]
+    ) -> tuple[dict[str, str | None], dict[int, MigEntry | None]]:
+        """The labels to publish and each GPU's MIG side for the annotation (the MIG state
+        version seen is recorded, so that a change wakes the next pass)."""
+        if self._mig is None:
+            return dict(self._labels), {}
+        self._seen_mig, infos = self._mig()
+        bad: dict[int, set[int]] = {}
+        for index, gi in self._board.unhealthy_instances():
+            bad.setdefault(index, set()).add(gi)
+        mig = {
+            index: mig_entry(info, bad.get(index, ()), healthy.get(index, True))
+            for index, info in infos.items()
+        }
+        return {**self._labels, **mig_labels(infos)}, mig
+
+    def _plan(
+        self, node: Mapping[str, Any], desired: NodeInventory, labels: Mapping[str, str | None]
+    ) -> _Plan:
         status = node.get("status") or {}
         meta = node.get("metadata") or {}
         capacity = str(desired.capacity_mib)
+        current = meta.get("labels") or {}
         return _Plan(
             capacity=any(
                 (status.get(f) or {}).get(CAPACITY_RESOURCE) != capacity for f in ("capacity", "allocatable")
             ),
-            labels=_changed(meta.get("labels") or {}, self._labels),
+            labels=_changed(current, {**labels, **stale_count_labels(current, labels)}),
             annotation=self._annotation_due(meta.get("annotations") or {}, desired),
         )
 
@@ -219,6 +250,8 @@ class NodePublisher:
             ):
                 return
             if self._board.snapshot()[0] != self._seen_board or self._scaling() != self._seen_scaling:
+                return
+            if self._mig is not None and self._mig()[0] != self._seen_mig:
                 return
 
     def _failed(self, err: KubeError) -> None:

@@ -5,6 +5,9 @@ except those caused by applications (13 graphics engine exception, 31 GPU memory
 page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor
 exception, 109 context switch timeout). Unhealthy is sticky until the GPU is
 reset, as with NVIDIA's plugin: an XID says the hardware needs attention.
+
+An XID the driver attributes to a MIG GPU instance makes that instance Unhealthy, not the
+GPU (MIG contains faults to the instance); a GPU reset (recovery) clears its instances'.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class HealthBoard:
     def __init__(self, indexes: Iterable[int]) -> None:
         now = time.time()
         self._state = {i: GpuHealth(True, "", now) for i in indexes}
+        self._instances: dict[tuple[int, int], GpuHealth] = {}  # (GPU, GI id) -> health
         self.xids = XidCounts()  # here so that the health loop and the metrics share one
         self._version = 0
         self._changed = threading.Condition()
@@ -101,6 +105,39 @@ class HealthBoard:
             self._version += 1
             self._changed.notify_all()
             return True
+
+    def set_instance(self, index: int, gi: int, healthy: bool, reason: str) -> bool:
+        """Record the health of MIG GPU instance ``gi`` of GPU ``index``; True when it changed."""
+        with self._changed:
+            if index not in self._state:
+                return False
+            current = self._instances.get((index, gi))
+            if (current.healthy if current is not None else True) == healthy:
+                return False
+            if healthy:
+                del self._instances[(index, gi)]
+            else:
+                self._instances[(index, gi)] = GpuHealth(False, reason, time.time())
+            self._version += 1
+            self._changed.notify_all()
+            return True
+
+    def unhealthy_instances(self) -> dict[tuple[int, int], GpuHealth]:
+        """{(GPU index, GI id): health} of the MIG GPU instances that are Unhealthy."""
+        with self._changed:
+            return dict(self._instances)
+
+    def clear_instances(self, index: int, keep: Iterable[int] | None = None) -> None:
+        """Forget GPU ``index``'s unhealthy instances (all, or those not in ``keep``: the GPU
+        was reset, or the instances are gone)."""
+        kept = None if keep is None else set(keep)
+        with self._changed:
+            gone = [k for k in self._instances if k[0] == index and (kept is None or k[1] not in kept)]
+            for key in gone:
+                del self._instances[key]
+            if gone:
+                self._version += 1
+                self._changed.notify_all()
 
     def wait_for_change(
         self, seen_version: int, timeout_s: float, abort: threading.Event | None = None

@@ -15,7 +15,8 @@ compact JSON in a versioned format; version 1:
                "numa": 0,                 # null when the platform does not say
                "healthy": true,
                "links": {"1": "SINGLE_SWITCH", "2": "SYSTEM"},  # TopologyLevel name per peer index
-               "nvlinks": {"1": 18}}]}    # NVLink count per peer; peers without NVLink left out
+               "nvlinks": {"1": 18},      # NVLink count per peer; peers without NVLink left out
+               "mig": {...}}]}            # MIG-capable GPUs only: domain/miginventory.py
 
 Within version 1, fields may be added (readers ignore unknown fields); removing or
 changing the meaning of one needs version 2. ``nvidia.com/vcuda-memory`` capacity
@@ -36,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from agent.domain.ids import UNITS_PER_GPU
+from agent.domain.miginventory import MigEntry, decode_mig, encode_mig
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import GpuInfo, Link, Topology, TopologyLevel
 from agent.platform.kube.pods import MEMORY_RESOURCE
@@ -78,6 +80,7 @@ class GpuEntry:
     healthy: bool
     links: Mapping[int, Link] = field(default_factory=dict)  # peer index -> link
     cores: int = UNITS_PER_GPU
+    mig: MigEntry | None = None  # None: the GPU has no MIG
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,9 @@ def build_inventory(
     healthy: Mapping[int, bool],
     scaling: float,
     heartbeat: float,
+    mig: Mapping[int, MigEntry | None] | None = None,
 ) -> NodeInventory:
+    """``mig``: the MIG side of MIG-capable GPUs (by index; absent or None: no MIG)."""
     entries = tuple(
         GpuEntry(
             index=g.index,
@@ -128,6 +133,7 @@ def build_inventory(
             numa=g.numa_node,
             healthy=healthy.get(g.index, True),
             links={p.index: topology.link(g.index, p.index) for p in gpus if p.index != g.index},
+            mig=(mig or {}).get(g.index),
         )
         for g in sorted(gpus, key=lambda g: g.index)
     )
@@ -147,7 +153,7 @@ def encode(inventory: NodeInventory) -> str:
 
 
 def _encode_gpu(gpu: GpuEntry) -> dict[str, Any]:
-    return {
+    body = {
         "index": gpu.index,
         "uuid": gpu.uuid,
         "model": gpu.model,
@@ -159,6 +165,9 @@ def _encode_gpu(gpu: GpuEntry) -> dict[str, Any]:
         "links": {str(peer): link.level.name for peer, link in sorted(gpu.links.items())},
         "nvlinks": {str(peer): link.nvlinks for peer, link in sorted(gpu.links.items()) if link.nvlinks},
     }
+    if gpu.mig is not None:
+        body["mig"] = encode_mig(gpu.mig)
+    return body
 
 
 def decode(text: str) -> NodeInventory:
@@ -205,6 +214,12 @@ def _decode_gpu(raw: object, where: str) -> GpuEntry:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InventoryFormatError(f"{INVENTORY_ANNOTATION}: {where}nvlinks[{peer!r}] must be a count")
         links[int(peer)] = Link(TopologyLevel[level], count)
+    mig = None
+    if raw.get("mig") is not None:
+        try:
+            mig = decode_mig(raw["mig"])
+        except ValueError as err:
+            raise InventoryFormatError(f"{INVENTORY_ANNOTATION}: {where}mig: {err}") from err
     return GpuEntry(
         index=_int(raw, "index", where),
         uuid=_field(raw, "uuid", str, where),
@@ -215,6 +230,7 @@ def _decode_gpu(raw: object, where: str) -> GpuEntry:
         healthy=_field(raw, "healthy", bool, where),
         links=links,
         cores=_int(raw, "cores", where),
+        mig=mig,
     )
 
 

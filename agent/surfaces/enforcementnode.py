@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from agent.settings import EnforcementSettings
 from agent.surfaces.hostnode import HostIntegration
 from agent.surfaces.kubenode import KubeIntegration
 from agent.surfaces.memorynode import MemoryIntegration
+from agent.surfaces.migstatus import MigStatus
 from agent.surfaces.statusserver import StatusServer
 from agent.surfaces.statusview import (
     ActionLog,
@@ -78,6 +79,7 @@ class EnforcementIntegration:
         self._kube = kube
         self.sharing = sharing
         self.dra_state: Callable[[], str] = lambda: "off"  # the node agent sets it under --dra
+        self.mig_state: Callable[[], Mapping[int, MigStatus]] = dict  # the node agent sets it
         # The node agent sets it: the NVIDIA_VISIBLE_DEVICES hole's (state, detail).
         self.visible_devices_hole: Callable[[], tuple[str, str]] = lambda: ("unknown", "not checked")
         self._clock = clock or SystemClock()
@@ -249,6 +251,7 @@ class EnforcementIntegration:
         views = self.enforcer.gpu_views()
         memory = self.memory.usage_by_container()
         sharing = {g.gpu: g for g in self.sharing.gpus()} if self.sharing is not None else {}
+        mig = self.mig_state()
         gpus: list[GpuStatus] = []
         for gpu in self._gpus:
             rows = [
@@ -270,6 +273,7 @@ class EnforcementIntegration:
                     memory_used_mib=used_mib,
                     containers=rows,
                     degraded=view.stale if view else None,
+                    mig=mig.get(gpu.index),
                     **_sharing_fields(sharing.get(gpu.index)),
                 )
             )

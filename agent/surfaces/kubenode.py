@@ -10,7 +10,7 @@ from typing import Any
 
 from agent.control.allocations import Allocations
 from agent.control.annotator import Annotator
-from agent.control.nodepublisher import NodePublisher
+from agent.control.nodepublisher import MigSource, NodePublisher
 from agent.control.recovery import LedgerRecovery, RebuildReport
 from agent.control.specbook import SpecBook
 from agent.control.supervisor import Supervisor
@@ -45,9 +45,11 @@ class KubeIntegration:
         scaling: Callable[[], float],
         bounds: Callable[[], SpecBounds] = SpecBounds,
         plugin_gpus: Sequence[GpuInfo] | None = None,
+        mig: MigSource | None = None,
     ) -> None:
         """``plugin_gpus``: the GPUs the device plugin offers (default all), which the node's
-        vcuda-memory and the extender's inventory describe; the ledger holds every GPU."""
+        vcuda-memory and the extender's inventory describe; the ledger holds every GPU.
+        ``mig``: the GPUs' MIG state, for the annotation and the MIG labels."""
         self.settings = settings
         self.node_name = node_name
         api = self.api = api_client(settings.kubeconfig, in_cluster=settings.kubeconfig is None)
@@ -65,6 +67,7 @@ class KubeIntegration:
             node_name=node_name,
             check_interval_s=settings.capacity_check_s,
             heartbeat_s=settings.heartbeat_s,
+            mig=mig,
         )
         self.ledger = Ledger(gpus, scaling)
         self.truth = PodResourcesClient(settings.pod_resources_socket)

@@ -11,6 +11,7 @@ from agent.control.configwatch import ConfigWatch
 from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
 from agent.control.metricsauth import MetricsAuthorizer
+from agent.control.migwatch import MigWatch
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.control.visibledevices import VisibleDevicesCheck
@@ -41,9 +42,11 @@ from agent.surfaces.metrics.host_collector import HostCollector
 from agent.surfaces.metrics.http import MetricsServer, tls_context
 from agent.surfaces.metrics.kube_collector import AllocationCollector
 from agent.surfaces.metrics.legacy_collector import LegacyCollector
+from agent.surfaces.metrics.mig_collector import MigCollector
 from agent.surfaces.metrics.sharing_collector import SharingCollector
 from agent.surfaces.metrics.tracer_collector import TracerCollector
 from agent.surfaces.metrics.xid_collector import XidCollector
+from agent.surfaces.migstatus import MigStatus, mig_statuses
 from agent.surfaces.sharingnode import build_sharing
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ class NodeAgent:
         self.backend_name = self.backend.name
         self.gpus = tuple(self.backend.gpus())
         self.board = HealthBoard(g.index for g in self.gpus)
+        self.mig = MigWatch(self.backend, self.gpus, self.board)
+        self.mig.refresh()  # MIG modes and devices as the node starts (read-only)
         self.config = ConfigWatch(settings.config_file, settings.node_name, config, settings.config_reload_s)
         plugin = settings.plugin
         driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
@@ -95,6 +100,7 @@ class NodeAgent:
                 scaling=lambda: self.config.node.device_memory_scaling,
                 bounds=lambda: SpecBounds.of(self.config.node),
                 plugin_gpus=plugin_gpus,
+                mig=self.mig.snapshot,
             )
             self.service.allocations = self.kube.allocations
             self.service.recovery = self.kube.recovery
@@ -146,6 +152,7 @@ class NodeAgent:
             self.enforcement.dra_state = self.dra.describe
         if self.enforcement is not None:
             self.enforcement.visible_devices_hole = self.visible_devices_hole
+            self.enforcement.mig_state = self.mig_status
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
         self.metrics_auth: MetricsAuthorizer | None = None
@@ -160,6 +167,7 @@ class NodeAgent:
         if self.enforcement is not None:
             registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
         registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
+        registry.register(MigCollector(self.mig.snapshot, self.board, self.gpus, settings.node_name))
         if self.dra is not None:
             registry.register(DraCollector(self.dra, settings.node_name))
         registry.register(SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name))
@@ -191,6 +199,11 @@ class NodeAgent:
     def visible_devices_hole(self) -> tuple[str, str]:
         verdict = self.visible_devices.verdict()
         return verdict.state.value, verdict.detail
+
+    def mig_status(self) -> dict[int, MigStatus]:
+        """Each MIG-capable GPU's MIG side for the status document."""
+        _, infos = self.mig.snapshot()
+        return mig_statuses(infos, self.board.unhealthy_instances())
 
     def readiness(self) -> tuple[bool, str]:
         status = self.endpoint.status()
@@ -226,6 +239,7 @@ class NodeAgent:
         self.visible_devices.verdict()  # logged now, not at the first status request
         policy = HealthPolicy(self.settings.health.ignored_xids)
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
+        self.supervisor.spawn("mig-inventory", self.mig.run)
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
         if self.host is not None:

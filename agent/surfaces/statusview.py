@@ -48,7 +48,12 @@ Fields:
   ``utilizationPercent`` (whole GPU, 0..100), ``memoryUsedMiB``, ``memoryTotalMiB``,
   ``coresAllocated`` (vcuda-core in the ledger, 0..100), ``containers[]``; ``sharing``
   (``mps`` | ``freezer``: how its shares are held) and ``sharingReason`` (why);
-  ``mpsDaemon`` (``{state, pid, restarts, error}`` of its MPS control daemon, or null).
+  ``mpsDaemon`` (``{state, pid, restarts, error}`` of its MPS control daemon, or null);
+  ``mig`` (null for a GPU without MIG, else ``{mode, pending, devices[]}``: ``mode`` and
+  ``pending`` are ``enabled`` | ``disabled``, ``pending`` the mode a GPU reset applies; each
+  device ``{gi, ci, profile, uuid, placement ("start:size" on the memory slices), memoryMiB,
+  smCount, health (``Healthy`` | ``Unhealthy``: an XID on its GPU instance), healthReason,
+  capDevices (the /dev/nvidia-caps nodes it needs)}``).
 - ``containers[]``: ``namespace``/``pod``/``container``; ``policy`` (the container's cap
   policy, e.g. ``fixed-share``); ``requestCores`` (vcuda-core on this GPU); ``capPercent``
   (the cap it is held to); ``ceilingPercent`` (the most it may use when the policy lets it
@@ -85,6 +90,7 @@ from collections import deque
 from typing import TypedDict
 
 from agent.clock import Clock, SystemClock
+from agent.surfaces.migstatus import MigStatus
 
 SCHEMA_VERSION = 1
 
@@ -156,6 +162,7 @@ class GpuStatus(TypedDict):
     sharing: str
     sharingReason: str
     mpsDaemon: MpsDaemonInfo | None
+    mig: MigStatus | None
 
 
 class ActionRecord(TypedDict):
@@ -286,6 +293,7 @@ def gpu_status(
     sharing: tuple[str, str] = ("freezer", ""),
     mps_daemon: MpsDaemonInfo | None = None,
     degraded: str | None = None,
+    mig: MigStatus | None = None,
 ) -> GpuStatus:
     return GpuStatus(
         index=index,
@@ -301,6 +309,7 @@ def gpu_status(
         sharing=sharing[0],
         sharingReason=sharing[1],
         mpsDaemon=mps_daemon,
+        mig=mig,
     )
 
 

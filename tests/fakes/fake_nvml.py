@@ -82,7 +82,7 @@ class _Device:
 @dataclass
 class _EventSet:
     registered: dict[int, int] = field(default_factory=dict)  # device index -> event mask
-    queue: deque[tuple[int, int, int]] = field(default_factory=deque)  # (index, type, data)
+    queue: deque[tuple[int, int, int, int]] = field(default_factory=deque)  # (index, type, data, GI id)
     freed: bool = False
 
 
@@ -167,14 +167,16 @@ class FakeNvml(types.ModuleType):
         with self._cond:
             self._failures.setdefault((name, index), []).extend([code] * times)
 
-    def inject_xid(self, index: int, xid: int) -> int:
-        """Post an XID on GPU ``index``; returns how many event sets it was delivered to."""
+    def inject_xid(self, index: int, xid: int, gpu_instance: int | None = None) -> int:
+        """Post an XID on GPU ``index`` (``gpu_instance``: attributed to that MIG GPU
+        instance); returns how many event sets it was delivered to."""
+        gi = _NO_INSTANCE if gpu_instance is None else gpu_instance
         xid_type = pynvml.nvmlEventTypeXidCriticalError
         delivered = 0
         with self._cond:
             for event_set in self._event_sets.values():
                 if not event_set.freed and event_set.registered.get(index, 0) & xid_type:
-                    event_set.queue.append((index, xid_type, xid))
+                    event_set.queue.append((index, xid_type, xid, gi))
                     delivered += 1
             self._cond.notify_all()
         return delivered
@@ -425,11 +427,11 @@ class FakeNvml(types.ModuleType):
 
             self._cond.wait_for(lambda: bool(event_set.queue) or lost() or event_set.freed, timeoutms / 1000)
             if event_set.queue:
-                index, event_type, event_data = event_set.queue.popleft()
+                index, event_type, event_data, gi = event_set.queue.popleft()
                 data = pynvml.c_nvmlEventData_t()
                 data.device = self._handle_for(index)  # a new pointer object, as from NVML
                 data.eventType, data.eventData = event_type, event_data
-                data.gpuInstanceId = data.computeInstanceId = _NO_INSTANCE
+                data.gpuInstanceId, data.computeInstanceId = gi, _NO_INSTANCE
                 return data
             if lost():
                 raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)

@@ -3,7 +3,7 @@
 An NVML call can hang for seconds (a GPU in trouble, a driver waiting on its firmware):
 the calling thread sits in an ioctl and nothing interrupts it. ``GuardedBackend`` wraps a
 backend so that each GPU's per-GPU calls (process samples, utilization, process memory,
-sample period, memory limits) run on that GPU's own worker thread, one at a time:
+sample period, memory limits, MIG state) run on that GPU's own worker thread, one at a time:
 
 - a caller waits for its call up to ``deadline_s``, then gets ``GpuHungError`` and moves
   on; the call goes on in the worker;
@@ -32,6 +32,7 @@ from agent.errors import GpuError, GpuHungError, NoSuchGpuError
 from agent.platform.gpu.inventory import (
     CALL_DEVICE_SAMPLES,
     CALL_DEVICE_UTILIZATION,
+    CALL_MIG,
     CALL_PROCESS_MEMORY,
     CALL_PROCESS_SAMPLES,
     CALL_SAMPLE_PERIOD,
@@ -44,6 +45,7 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migstate import MigInfo
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +249,10 @@ class GuardedBackend:
         return self._call(
             self._worker(index).submit(CALL_PROCESS_MEMORY, lambda: inner.process_memory(index))
         )
+
+    def mig(self, index: int) -> MigInfo:
+        inner = self.inner
+        return self._call(self._worker(index).submit(CALL_MIG, lambda: inner.mig(index)))
 
     def set_memory_limit(self, index: int, cgroup: Path, limit_bytes: int | None) -> None:
         inner = self.inner

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from agent.platform.gpu.migstate import MigInfo
+
 
 class TopologyLevel(enum.IntEnum):
     """How close two GPUs sit on PCIe; a larger value is closer.
@@ -84,6 +86,7 @@ class DeviceEvent:
     kind: EventKind
     xid: int | None = None
     detail: str = ""
+    gpu_instance: int | None = None  # the MIG GPU instance the XID is attributed to (None: the GPU)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ CALL_PROCESS_MEMORY = "nvmlDeviceGetComputeRunningProcesses"
 CALL_SAMPLE_PERIOD = "nvmlDeviceGetSamples"
 CALL_DEVICE_SAMPLES = "nvmlDeviceGetSamples"  # the same function, read for its values
 CALL_SET_MEMORY_LIMIT = "nvmlDeviceSetMemoryLimits_v1"
+CALL_MIG = "nvmlDeviceGetMigMode"  # and the MIG device reads after it (backend.mig)
 PER_GPU_CALLS = (
     CALL_PROCESS_SAMPLES,
     CALL_DEVICE_UTILIZATION,
@@ -177,6 +181,11 @@ class GpuBackend(Protocol):
 
     def sample_period_s(self, index: int) -> float | None:
         """The driver's per-process sample period, seconds (None: unknown)."""
+        ...
+
+    def mig(self, index: int) -> MigInfo:
+        """The GPU's MIG mode (current and pending) and MIG devices, read-only; a GPU without
+        MIG reports ``capable=False``."""
         ...
 
     def mps_control_command(self) -> list[str]:

@@ -23,6 +23,7 @@ from agent.errors import (
     MemoryLimitUnsupportedError,
     NoSuchGpuError,
     NvmlError,
+    PlatformError,
 )
 from agent.platform.driverfiles import LIBRARY_DIRS
 from agent.platform.gpu.inventory import (
@@ -34,13 +35,16 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migstate import MigInfo
 from agent.platform.gpu.nvml_limits import limits_support, mps_client_processes, set_cgroup_limit
+from agent.platform.gpu.nvml_mig import MIG_MINORS, read_mig, read_minors
 from agent.platform.gpu.nvml_topology import numa_node, read_topology, text
 
 log = logging.getLogger("agent.platform.gpu.nvml")
 
 # NVML_ERROR_LIBRARY_NOT_FOUND; needed before any NVML module is available to read it from.
 _LIBRARY_NOT_FOUND = 12
+_NO_INSTANCE = 0xFFFFFFFF  # nvmlEventData_t.gpuInstanceId of an event that is not an instance's
 _MIB = 1024 * 1024
 
 
@@ -60,9 +64,13 @@ class NvmlBackend:
     Thread-safe: one thread may block in ``wait_events`` while others query processes.
     """
 
-    def __init__(self, nvml: ModuleType, sysfs_root: Path = Path("/sys")) -> None:
+    def __init__(
+        self, nvml: ModuleType, sysfs_root: Path = Path("/sys"), mig_minors: Path = MIG_MINORS
+    ) -> None:
         self._nvml = nvml
         self._sysfs_root = sysfs_root
+        self._mig_minors_path = mig_minors
+        self._mig_minors: dict[str, int] | None = None  # read at the first MIG device
         self._lost_codes = {int(nvml.NVML_ERROR_GPU_IS_LOST), int(nvml.NVML_ERROR_RESET_REQUIRED)}
         # pynvml raises this (not an NVMLError) when the driver's NVML lacks a function it calls.
         self._mismatch: type[Exception] | tuple[()] = getattr(nvml, "NVMLLibraryMismatchError", ())
@@ -256,7 +264,11 @@ class NvmlBackend:
         if int(data.eventType) != int(self._nvml.nvmlEventTypeXidCriticalError):
             return []  # only XIDs are registered; anything else is not a health event
         xid = int(data.eventData)
-        return [DeviceEvent(index, EventKind.XID, xid=xid, detail=f"NVML reported Xid {xid}")]
+        gi = int(getattr(data, "gpuInstanceId", _NO_INSTANCE))
+        instance = None if gi == _NO_INSTANCE else gi  # an XID of a MIG GPU instance
+        where = "" if instance is None else f" on GPU instance {instance}"
+        detail = f"NVML reported Xid {xid}{where}"
+        return [DeviceEvent(index, EventKind.XID, xid=xid, detail=detail, gpu_instance=instance)]
 
     def _after_lost_wait(self, timeout_s: float) -> list[DeviceEvent]:
         """The wait said a GPU is lost: find which, and stop waiting on it."""
@@ -375,6 +387,20 @@ class NvmlBackend:
         if not gaps:
             return None
         return gaps[len(gaps) // 2] / 1_000_000
+
+    # --- MIG ----------------------------------------------------------------------------
+
+    def mig(self, index: int) -> MigInfo:
+        """MIG mode and devices (``nvml_mig``), read-only."""
+        handle = self._handle(index)
+        if self._mig_minors is None:
+            try:
+                self._mig_minors = read_minors(self._mig_minors_path)
+            except PlatformError as err:
+                log.warning("%s; MIG capability minors numbered by the driver's fixed rule", err)
+                self._mig_minors = {}
+        with self._call(index):
+            return read_mig(self._nvml, handle, index, self._gpus[index].minor, self._mig_minors)
 
     # --- driver-native limits -----------------------------------------------------------
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from agent.errors import InvalidSpecError, VcudaError
 from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.migprofiles import MigProduct
+from agent.platform.gpu.migprofiles import product as mig_product
 from agent.platform.gpu.mpspartition import sm_count_for, throughput_curve_for
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -24,7 +26,13 @@ from agent.platform.gpu.sim.nodefile import SimGpuSlot, SimNode, SimNodeDir
 from agent.platform.gpu.sim.programs import PatternSpec
 from agent.platform.gpu.sim.server import GpuServer
 from agent.platform.gpu.sim.spec import parse_simulate_spec
-from agent.platform.gpu.sim.workload import WorkloadSpec, report, run_workload, write_report
+from agent.platform.gpu.sim.workload import (
+    WorkloadSpec,
+    mig_from_environment,
+    report,
+    run_workload,
+    write_report,
+)
 from agent.surfaces.cli.common import common_options, configure_logging
 from agent.surfaces.cli.simcommands import SIM_MPS_CONTROL_DESCRIPTION, add_parsers
 
@@ -36,6 +44,10 @@ def gpu_main(args: argparse.Namespace) -> int:
     try:
         models = parse_simulate_spec(args.simulate)
         mps = _gpu_set(args.mps, len(models))
+        products = [mig_product(f"{m.short_name}-{m.memory_mib // 1024}GB") for m in models]
+        geometry = mig_geometry(args.mig, products)
+        if set(geometry) & mps:
+            raise InvalidSpecError(f"GPUs {sorted(set(geometry) & mps)}: --mps and --mig on one GPU")
         configs = []
         for i, model in enumerate(models):
             config = EngineConfig(
@@ -72,13 +84,19 @@ def gpu_main(args: argparse.Namespace) -> int:
         )
         for g, c in zip(gpus, configs, strict=True)
     )
-    server = GpuServer(
-        SimNode(args.node_name, args.simulate, os.getpid(), slots),
-        configs,
-        SimNodeDir(Path(args.sim_state_dir)),
-        memory_limits=args.driver_memory_limits,
-        mps_v3=args.driver_mps_v3,
-    )
+    try:
+        server = GpuServer(
+            SimNode(args.node_name, args.simulate, os.getpid(), slots),
+            configs,
+            SimNodeDir(Path(args.sim_state_dir)),
+            memory_limits=args.driver_memory_limits,
+            mps_v3=args.driver_mps_v3,
+            mig_products=products,
+            mig_geometry=geometry,
+        )
+    except VcudaError as err:  # a --mig geometry that does not fit
+        log.error("%s", err)
+        return 2
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: server.stop())
     try:
@@ -91,6 +109,26 @@ def gpu_main(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 1
     return 0
+
+
+def mig_geometry(items: Sequence[str], products: Sequence[MigProduct | None]) -> dict[int, list[str]]:
+    """``--mig GPU:PROFILES`` items: {GPU: profile names}; the GPU must have MIG."""
+    geometry: dict[int, list[str]] = {}
+    for item in items:
+        gpu_text, sep, profiles = item.partition(":")
+        if not sep or not gpu_text.strip().isdigit():
+            raise InvalidSpecError(f"--mig {item!r}: expected GPU:PROFILES, e.g. 0:1g.10gb,3g.40gb (or 0:)")
+        gpu = int(gpu_text)
+        if not 0 <= gpu < len(products):
+            raise InvalidSpecError(f"--mig {item!r}: no GPU {gpu} (GPUs 0..{len(products) - 1})")
+        if products[gpu] is None:
+            raise InvalidSpecError(
+                f"--mig {item!r}: GPU {gpu} has no MIG (A100-40GB/80GB, H100-80GB and H200-141GB do)"
+            )
+        if gpu in geometry:
+            raise InvalidSpecError(f"--mig names GPU {gpu} twice")
+        geometry[gpu] = [p.strip() for p in profiles.split(",") if p.strip()]
+    return geometry
 
 
 def _gpu_set(text: str | None, count: int) -> set[int]:
@@ -127,6 +165,7 @@ def workload_main(args: argparse.Namespace) -> int:
     )
     spec = WorkloadSpec(
         gpu=args.gpu,
+        mig=args.mig or mig_from_environment(),
         pattern=pattern,
         memory_mib=args.memory_mib,
         duration_s=args.duration,
@@ -203,6 +242,9 @@ def mps_main(args: argparse.Namespace) -> int:
 def event_main(args: argparse.Namespace) -> int:
     """``vcuda-agent sim-event`` (its help: :data:`.simcommands.SIM_EVENT_DESCRIPTION`)."""
     root = SimNodeDir(Path(args.sim_state_dir))
+    if args.gi is not None and args.xid is None:
+        log.error("--gi names the MIG GPU instance of an --xid event")
+        return 2
     try:
         node = root.read_node()
         node.gpu(args.gpu)  # validates the index
@@ -215,7 +257,9 @@ def event_main(args: argparse.Namespace) -> int:
             elif args.hang is not None:
                 client.hang(args.gpu, args.call, args.hang)
             else:
-                client.post_event(args.gpu, EventKind.XID.value, xid=args.xid, detail="injected")
+                client.post_event(
+                    args.gpu, EventKind.XID.value, xid=args.xid, detail="injected", gpu_instance=args.gi
+                )
         finally:
             client.close()
     except VcudaError as err:

@@ -98,61 +98,7 @@ def add_parsers(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
     """``sim-gpu``, ``sim-workload``, ``sim-event`` and ``sim-mps-control``."""
-    p = sub.add_parser(
-        "sim-gpu", parents=[common], help="serve a node's simulated GPUs", description=SIM_GPU_DESCRIPTION
-    )
-    p.add_argument("--simulate", required=True, metavar="SPEC", help="the GPUs, e.g. 2xH100-80GB")
-    p.add_argument("--node-name", default="sim-node", help="the node's name (the GPUs' UUIDs derive from it)")
-    p.add_argument("--timeslice-ms", type=float, default=2.0, help="time-slice between contexts (default 2)")
-    p.add_argument(
-        "--sample-period",
-        type=float,
-        metavar="S",
-        help="NVML sample period, 0.01..1 s (default: the model's, 1/6 s)",
-    )
-    p.add_argument(
-        "--sample-delay",
-        type=float,
-        default=0.25,
-        metavar="S",
-        help="samples arrive this late (default 0.25)",
-    )
-    p.add_argument(
-        "--sample-jitter",
-        type=float,
-        default=0.25,
-        metavar="S",
-        help="...plus up to this much more (default 0.25)",
-    )
-    p.add_argument(
-        "--queue-depth", type=int, default=1024, help="launches a context queues before one blocks"
-    )
-    p.add_argument("--mps", metavar="GPUS", help="GPUs in MPS mode: indexes like 0,1, or all (default none)")
-    p.add_argument(
-        "--mps-samples",
-        choices=("server", "client"),
-        default="server",
-        help="under an MPS control daemon, NVML credits the clients' work to the MPS server (as NVIDIA "
-        "documents; default) or to each client",
-    )
-    p.add_argument(
-        "--driver-memory-limits",
-        action="store_true",
-        help="the driver limits GPU memory per cgroup (nvmlDeviceSetMemoryLimits_v1, R615+; "
-        "default: an older driver without)",
-    )
-    p.add_argument(
-        "--driver-mps-v3",
-        action="store_true",
-        help="the driver is r615+/R620: its MPS control daemon speaks protocol 3, namespaces bound to "
-        "cgroups (default: an older driver without)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the samples' jitter")
-    p.add_argument(
-        "--exit-with-fd", type=int, help=argparse.SUPPRESS
-    )  # the agent's pipe: stop when it closes
-    add_sim_state_dir(p)
-    p.set_defaults(func=_gpu_main)
+    add_gpu_parser(sub, common)
 
     p = sub.add_parser(
         "sim-workload",
@@ -161,6 +107,11 @@ def add_parsers(
         description=SIM_WORKLOAD_DESCRIPTION,
     )
     p.add_argument("--gpu", type=int, required=True, help="simulated GPU index")
+    p.add_argument(
+        "--mig",
+        metavar="UUID",
+        help="run on this MIG device of the GPU (MIG-...; default: CUDA_VISIBLE_DEVICES when it names one)",
+    )
     p.add_argument(
         "--pattern",
         choices=PATTERNS,
@@ -253,6 +204,76 @@ def add_parsers(
     p.set_defaults(func=_mps_main)
 
 
+def add_gpu_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """``sim-gpu``."""
+    p = sub.add_parser(
+        "sim-gpu", parents=[common], help="serve a node's simulated GPUs", description=SIM_GPU_DESCRIPTION
+    )
+    p.add_argument("--simulate", required=True, metavar="SPEC", help="the GPUs, e.g. 2xH100-80GB")
+    p.add_argument("--node-name", default="sim-node", help="the node's name (the GPUs' UUIDs derive from it)")
+    p.add_argument("--timeslice-ms", type=float, default=2.0, help="time-slice between contexts (default 2)")
+    p.add_argument(
+        "--sample-period",
+        type=float,
+        metavar="S",
+        help="NVML sample period, 0.01..1 s (default: the model's, 1/6 s)",
+    )
+    p.add_argument(
+        "--sample-delay",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="samples arrive this late (default 0.25)",
+    )
+    p.add_argument(
+        "--sample-jitter",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="...plus up to this much more (default 0.25)",
+    )
+    p.add_argument(
+        "--queue-depth", type=int, default=1024, help="launches a context queues before one blocks"
+    )
+    p.add_argument("--mps", metavar="GPUS", help="GPUs in MPS mode: indexes like 0,1, or all (default none)")
+    p.add_argument(
+        "--mps-samples",
+        choices=("server", "client"),
+        default="server",
+        help="under an MPS control daemon, NVML credits the clients' work to the MPS server (as NVIDIA "
+        "documents; default) or to each client",
+    )
+    p.add_argument(
+        "--driver-memory-limits",
+        action="store_true",
+        help="the driver limits GPU memory per cgroup (nvmlDeviceSetMemoryLimits_v1, R615+; "
+        "default: an older driver without)",
+    )
+    p.add_argument(
+        "--driver-mps-v3",
+        action="store_true",
+        help="the driver is r615+/R620: its MPS control daemon speaks protocol 3, namespaces bound to "
+        "cgroups (default: an older driver without)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples' jitter")
+    p.add_argument(
+        "--mig",
+        action="append",
+        default=[],
+        metavar="GPU:PROFILES",
+        help="a GPU in MIG mode from the start, with a GPU instance (and its whole compute instance) "
+        "per profile, created in order: 0:1g.10gb,1g.10gb,3g.40gb; 0: for none (repeat per GPU; "
+        "A100-40GB/80GB, H100-80GB, H200-141GB)",
+    )
+    p.add_argument(
+        "--exit-with-fd", type=int, help=argparse.SUPPRESS
+    )  # the agent's pipe: stop when it closes
+    add_sim_state_dir(p)
+    p.set_defaults(func=_gpu_main)
+
+
 def add_event_parser(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
 ) -> None:
@@ -272,6 +293,9 @@ def add_event_parser(
     kind.add_argument("--recover", action="store_true", help="the GPU was reset and is healthy again")
     kind.add_argument(
         "--hang", type=float, metavar="S", help="fault injection: the agent's --call on the GPU hangs for S s"
+    )
+    p.add_argument(
+        "--gi", type=int, metavar="ID", help="--xid: the MIG GPU instance the XID is attributed to"
     )
     p.add_argument(
         "--call",

@@ -41,6 +41,7 @@ def render_status(doc: Mapping[str, Any], max_actions: int = MAX_ACTIONS) -> str
         lines += ["", "no GPUs"]
     for gpu in gpus:
         lines += ["", gpu_line(gpu)]
+        lines += ["  " + row for row in mig_lines(gpu)]
         containers = _mappings(gpu.get("containers"))
         lines += ["  " + row for row in container_table(containers)]
         lines += ["  " + row for row in unholdable_notes(containers)]
@@ -101,6 +102,27 @@ def gpu_line(gpu: Mapping[str, Any]) -> str:
         f"{_text(gpu.get('health'))}  util {util}  memory {memory}  "
         f"cores allocated {_number(gpu.get('coresAllocated'))}/100{_sharing(gpu)}{_degraded(gpu)}"
     )
+
+
+def mig_lines(gpu: Mapping[str, Any]) -> list[str]:
+    """``MIG enabled`` (with a pending change) and one line per MIG device; nothing for a GPU
+    without MIG or from an older agent."""
+    mig = _mapping(gpu.get("mig"))
+    if not mig:
+        return []
+    mode, pending = _text(mig.get("mode")), _text(mig.get("pending"))
+    head = f"MIG {mode}" + (f" ({pending} after a GPU reset)" if pending != mode else "")
+    rows = [head]
+    for d in _mappings(mig.get("devices")):
+        health = _text(d.get("health"))
+        if d.get("healthReason"):
+            health += f" ({_text(d.get('healthReason'))})"
+        rows.append(
+            f"  {_text(d.get('profile'))}  GI {_text(d.get('gi'))} CI {_text(d.get('ci'))}  "
+            f"at {_text(d.get('placement'))}  {_number(d.get('memoryMiB'))} MiB  "
+            f"{_text(d.get('uuid'))}  {health}"
+        )
+    return rows
 
 
 def _degraded(gpu: Mapping[str, Any]) -> str:

@@ -45,6 +45,7 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migstate import MigDevice, MigInfo
 from agent.platform.gpu.sim.client import Connection, NodeClient
 from agent.platform.gpu.sim.inventory import sim_gpus, sim_topology
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir, pid_alive
@@ -252,6 +253,25 @@ class SimulatedBackend:
         with self._lock:
             return self._utilization[index]
 
+    def mig(self, index: int) -> MigInfo:
+        """The GPU's MIG mode and devices, as the GPU server's driver holds them."""
+        self._check_index(index)
+        with self._lock:
+            if index in self._lost:
+                raise GpuLostError(index, "fell off the bus (simulated)")
+            try:
+                gpus = self._poller.mig_state()
+            except SimulationError as err:
+                raise SimulationError(f"cannot read the simulated GPUs' MIG state: {err}") from err
+        raw = next((g for g in gpus if g.get("index") == index), None)
+        if raw is None:
+            raise SimulationError(f"the simulated GPU server reports no MIG state for GPU {index}")
+        try:
+            devices = tuple(MigDevice(**d) for d in raw["devices"])
+            return MigInfo(bool(raw["capable"]), bool(raw["current"]), bool(raw["pending"]), devices)
+        except (KeyError, TypeError) as err:
+            raise SimulationError(f"malformed MIG state of GPU {index}: {err}") from err
+
     def mps_control_command(self) -> list[str]:
         """The simulator's stand-in for ``nvidia-cuda-mps-control -f``."""
         return [
@@ -395,12 +415,13 @@ def _answers(root: SimNodeDir) -> bool:
 
 def _event(raw: dict[str, Any]) -> DeviceEvent | None:
     try:
-        xid = raw.get("xid")
+        xid, gi = raw.get("xid"), raw.get("gi")
         return DeviceEvent(
             gpu_index=int(raw["gpu"]),
             kind=EventKind(raw["kind"]),
             xid=None if xid is None else int(xid),
             detail=str(raw.get("detail") or "injected by the simulator"),
+            gpu_instance=None if gi is None else int(gi),
         )
     except (KeyError, ValueError, TypeError):
         return None

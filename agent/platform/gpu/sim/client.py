@@ -94,10 +94,15 @@ class ContextClient:
         *,
         mps_pipe: str = "",
         memory_limit_mib: int | None = None,
+        mig: str = "",
     ) -> None:
+        """``mig``: the UUID of a MIG device of the GPU to run on (a GPU in MIG mode runs
+        work only there)."""
         self._conn = Connection(socket_path)
         self.interrupted: Callable[[], bool] | None = None
         request: dict[str, Any] = {"op": "open", "gpu": gpu, "share": share_percent}
+        if mig:
+            request["mig"] = mig
         if mps_pipe:
             request["mps_pipe"] = mps_pipe
         if memory_limit_mib is not None:
@@ -151,8 +156,32 @@ class NodeClient:
     def set_memory_limit(self, gpu: int, cgroup: str, mib: int | None) -> None:
         self._conn.call({"op": "memlimit", "gpu": gpu, "cgroup": cgroup, "mib": mib})
 
-    def post_event(self, gpu: int, kind: str, xid: int | None = None, detail: str = "") -> None:
-        self._conn.call({"op": "event", "gpu": gpu, "kind": kind, "xid": xid, "detail": detail})
+    def post_event(
+        self,
+        gpu: int,
+        kind: str,
+        xid: int | None = None,
+        detail: str = "",
+        *,
+        gpu_instance: int | None = None,
+    ) -> None:
+        """``gpu_instance``: the MIG GPU instance an XID is attributed to."""
+        request: dict[str, Any] = {"op": "event", "gpu": gpu, "kind": kind, "xid": xid, "detail": detail}
+        if gpu_instance is not None:
+            request["gi"] = gpu_instance
+        self._conn.call(request)
+
+    def mig_state(self) -> list[dict[str, Any]]:
+        """Every GPU's MIG mode and devices (``mig_state``)."""
+        return list(self._conn.call({"op": "mig_state"})["gpus"])
+
+    def mig_truth(self) -> dict[str, Any]:
+        """Exact figures per MIG device (``mig_truth``)."""
+        return self._conn.call({"op": "mig_truth"})
+
+    def gpu_reset(self, gpu: int) -> dict[str, Any]:
+        """Reset a GPU: its pending MIG mode applies and its MIG instances go (``gpu_reset``)."""
+        return self._conn.call({"op": "gpu_reset", "gpu": gpu})
 
     def hang(self, gpu: int, call: str, seconds: float) -> None:
         """Fault injection: the agent's ``call`` on ``gpu`` blocks for ``seconds``."""
@@ -184,10 +213,18 @@ def context_times(truth: dict[str, Any]) -> dict[int, float]:
     return {int(c["pid"]): float(c["ran_s"]) for g in truth["gpus"] for c in g["contexts"]}
 
 
-def post_event(sim_dir: Path, gpu: int, kind: str, xid: int | None = None, detail: str = "") -> None:
+def post_event(
+    sim_dir: Path,
+    gpu: int,
+    kind: str,
+    xid: int | None = None,
+    detail: str = "",
+    *,
+    gpu_instance: int | None = None,
+) -> None:
     """Inject a health event into the simulated node served in ``sim_dir`` (``sim-event``)."""
     client = NodeClient(sim_dir / "gpu.sock")
     try:
-        client.post_event(gpu, kind, xid, detail)
+        client.post_event(gpu, kind, xid, detail, gpu_instance=gpu_instance)
     finally:
         client.close()

@@ -32,6 +32,17 @@ drops its queued work, as a process exit does):
   the agent's backend blocks in the GPU's ``call`` (an NVML function name, ``*`` for
   every per-GPU call), as a driver stuck in an ioctl holds the calling thread.
 - ``subscribe``: become an event stream; the GPUs lost now are sent first.
+
+MIG (:mod:`.migops`; docs/mig.md): ``open`` takes ``mig`` (a MIG device's UUID) to open the
+context on that device, and a GPU in MIG mode opens contexts nowhere else.
+
+- ``nvml {call, gpu, ...}``: one of NVML's MIG functions by its pynvml name (:mod:`.migcalls`);
+  a refusal carries NVML's return code as ``nvml``.
+- ``mig_state``: every GPU's MIG mode (current, pending) and MIG devices.
+- ``mig_truth``: exact figures per MIG device (``work_s`` in seconds of the whole GPU).
+- ``gpu_reset {gpu}``: the pending MIG mode applies and every MIG instance goes (refused while
+  processes use the GPU).
+- ``event`` takes ``gi``: the MIG GPU instance an XID is attributed to.
 """
 
 from __future__ import annotations

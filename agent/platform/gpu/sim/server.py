@@ -20,12 +20,13 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.errors import SimulationError
 from agent.platform.gpu.inventory import EventKind
+from agent.platform.gpu.migprofiles import MigProduct
 from agent.platform.gpu.sim.calls import BlockedCall
 from agent.platform.gpu.sim.context import Context
 from agent.platform.gpu.sim.contextopen import open_context, open_reply, parse_open
@@ -33,6 +34,9 @@ from agent.platform.gpu.sim.driverstate import DriverState
 from agent.platform.gpu.sim.engine import GpuEngine
 from agent.platform.gpu.sim.engineconfig import EngineConfig
 from agent.platform.gpu.sim.memory import OutOfMemory
+from agent.platform.gpu.sim.mig import MigError
+from agent.platform.gpu.sim.migcalls import nvml_reply
+from agent.platform.gpu.sim.migops import MigHost, mig_memory
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir
 from agent.platform.gpu.sim.protocol import LineBuffer, decode, encode
 from agent.platform.gpu.sim.replies import (
@@ -64,6 +68,8 @@ class Peer:
     out: bytearray = field(default_factory=bytearray)
     requests: deque[dict[str, Any]] = field(default_factory=deque)
     gpu: int = -1
+    key: int | str = -1  # its context's engine: the GPU's index, or the MIG device's UUID
+    rate: float = 1.0  # the engine's share of the whole GPU's throughput (a MIG device's < 1)
     ctx: Context | None = None
     call: BlockedCall | None = None
     wake_at: float = math.inf
@@ -83,10 +89,14 @@ class GpuServer:
         *,
         memory_limits: bool = False,
         mps_v3: bool = False,
+        mig_products: Sequence[MigProduct | None] = (),
+        mig_geometry: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         """``memory_limits``: the driver has per-cgroup memory limits (R615+); without, the
         ``memlimit`` op fails as nvmlDeviceSetMemoryLimits_v1 does on an older driver.
-        ``mps_v3``: its MPS control daemon speaks protocol 3 (namespaces bound to cgroups)."""
+        ``mps_v3``: its MPS control daemon speaks protocol 3 (namespaces bound to cgroups).
+        ``mig_products``: each GPU's MIG tables (None or missing: no MIG); ``mig_geometry``:
+        GPUs in MIG mode from the start, each with its GPU instances' profile names."""
         if len(configs) != len(node.gpus):
             raise SimulationError(f"{len(configs)} engine configs for {len(node.gpus)} GPUs")
         self.node = node
@@ -96,7 +106,7 @@ class GpuServer:
         self.engines = [GpuEngine(c, now, self._wall_offset, index=i) for i, c in enumerate(configs)]
         self._selector = selectors.DefaultSelector()
         self._peers: dict[int, Peer] = {}
-        self._dirty: set[int] = set()
+        self._dirty: set[int | str] = set()  # engines whose blocked calls need a new prediction
         self._procfs = ProcFS()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -106,6 +116,9 @@ class GpuServer:
             self.engines, memory_limits=memory_limits, proc_root=self._procfs.root, mps_v3=mps_v3
         )
         self._hangs: dict[int, tuple[str, float]] = {}  # GPU -> (NVML call, monotonic end): ``hang``
+        self.mig = MigHost(node, configs, self.engines, self._wall_offset, mig_products)
+        for gpu, profiles in (mig_geometry or {}).items():
+            self.mig.enable(gpu, profiles, now)
 
     # Lifecycle ------------------------------------------------------------------------------
     def listen(self) -> None:
@@ -220,6 +233,8 @@ class GpuServer:
             request = peer.requests.popleft()
             try:
                 reply = self._handle(peer, request)
+            except MigError as err:  # NVML's return code goes with it
+                reply = {"ok": False, "error": str(err), "nvml": err.code}
             except RequestError as err:
                 reply = {"ok": False, "error": str(err)}
             if reply is not None:
@@ -235,7 +250,7 @@ class GpuServer:
 
     def _progress(self, peer: Peer, now: float) -> None:
         assert peer.call is not None and peer.ctx is not None
-        engine = self.engines[peer.gpu]
+        engine = self._engine(peer.key)
         queued = peer.ctx.queued
         if peer.call.progress(engine, peer.ctx, now):
             peer.call, peer.wake_at = None, math.inf
@@ -243,14 +258,20 @@ class GpuServer:
             self._serve_requests(peer)
         elif peer.ctx.queued == queued and engine.lost is False:
             peer.wake_at = now + 1e-4  # predicted a hair early: look again shortly
-        self._dirty.add(peer.gpu)
+        self._dirty.add(peer.key)
 
-    def _predict(self, gpu: int) -> None:
-        engine = self.engines[gpu]
+    def _engine(self, key: int | str) -> GpuEngine:
+        """The engine behind a peer's key: a GPU's, or a MIG device's."""
+        return self.engines[key] if isinstance(key, int) else self.mig.device(key).engine
+
+    def _predict(self, key: int | str) -> None:
+        if isinstance(key, str) and key not in self.mig.devices:
+            return  # the MIG device is gone (it had no context left)
+        engine = self._engine(key)
         blocked = [
             (p, p.call, p.ctx)
             for p in self._peers.values()
-            if p.gpu == gpu and p.call is not None and p.ctx is not None
+            if p.key == key and p.call is not None and p.ctx is not None
         ]
         if not blocked:
             return
@@ -267,7 +288,15 @@ class GpuServer:
         if op in ("launch", "graph", "sync", "alloc"):
             return self._context_call(peer, op, request, now)
         if op == "poll":
-            return poll_reply(self.engines, request, now, self._hangs)
+            return self._poll(request, now)
+        if op == "nvml":
+            return nvml_reply(self.mig, self.engines, request, now)
+        if op == "mig_state":
+            return self.mig.state_reply()
+        if op == "mig_truth":
+            return self.mig.truth_reply(now)
+        if op == "gpu_reset":
+            return self.mig.reset(request, now)
         if op == "mps_attach":
             if peer.ctx is not None:
                 raise RequestError("this connection is already a context")
@@ -306,6 +335,15 @@ class GpuServer:
         if peer.ctx is not None:
             raise RequestError("this connection already has a context")
         req = parse_open(request, self.engines)
+        mig = request.get("mig")
+        if mig is not None:  # a context on a MIG device (CUDA_VISIBLE_DEVICES=MIG-...)
+            dev, mig_ctx = self.mig.open_context(
+                req.gpu, str(mig), self.driver, self._procfs, pid=peer.pid, now=now
+            )
+            peer.gpu, peer.key, peer.rate, peer.ctx = req.gpu, dev.uuid, dev.rate, mig_ctx
+            return {**open_reply(mig_ctx, False), "mig": dev.uuid}
+        if self.mig.in_mig_mode(req.gpu):
+            raise RequestError(f"GPU {req.gpu} is in MIG mode: a context opens on one of its MIG devices")
         engine = self.engines[req.gpu]
         ctx = open_context(engine, self.driver, self._procfs, req, pid=peer.pid, uid=peer.uid, now=now)
         if ctx is None:
@@ -314,8 +352,17 @@ class GpuServer:
             )
             peer.waiting = request
             return None
-        peer.gpu, peer.ctx = req.gpu, ctx
+        peer.gpu, peer.key, peer.ctx = req.gpu, req.gpu, ctx
         return open_reply(ctx, engine.mps)
+
+    def _poll(self, request: dict[str, Any], now: float) -> dict[str, Any]:
+        """``poll``, with the memory that processes hold on each GPU's MIG devices."""
+        reply = poll_reply(self.engines, request, now, self._hangs)
+        for gpu in reply["gpus"]:
+            extra = self.mig.memory_of(gpu["index"])
+            if extra:
+                gpu["memory"] = mig_memory(extra, gpu["memory"])
+        return reply
 
     def _mps_command(self, peer: Peer, request: dict[str, Any]) -> dict[str, Any]:
         line = request.get("command")
@@ -347,12 +394,15 @@ class GpuServer:
     ) -> dict[str, Any] | None:
         if peer.ctx is None:
             raise RequestError(f"{op} before open: no context on this connection")
-        engine = self.engines[peer.gpu]
+        engine = self._engine(peer.key)
         if engine.lost:
             raise RequestError(f"GPU {peer.gpu} is lost (fell off the bus)")
         if op == "alloc":
             try:
-                engine.allocate(peer.ctx, int_field(request, "mib") * MIB)
+                if isinstance(peer.key, str):
+                    self.mig.allocate(peer.key, peer.ctx, int_field(request, "mib") * MIB)
+                else:
+                    engine.allocate(peer.ctx, int_field(request, "mib") * MIB)
             except OutOfMemory as err:
                 raise RequestError(str(err)) from err
             return {"ok": True}
@@ -363,6 +413,7 @@ class GpuServer:
             kernel_s = float(request.get("kernel_ms", -1)) / 1000
             if count < 1 or not 0 <= kernel_s <= 3600:
                 raise RequestError(f"{op}: count must be >= 1 and kernel_ms 0..3600000")
+            kernel_s /= peer.rate  # whole-GPU seconds, on the SMs this engine has
             call = (
                 BlockedCall(left=count, each_s=kernel_s)
                 if op == "launch"
@@ -371,11 +422,11 @@ class GpuServer:
         queued = peer.ctx.queued
         done = call.progress(engine, peer.ctx, now)
         if peer.ctx.queued != queued:
-            self._dirty.add(peer.gpu)
+            self._dirty.add(peer.key)
         if done:
             return {"ok": True, "queued": peer.ctx.queued}
         peer.call = call
-        self._dirty.add(peer.gpu)
+        self._dirty.add(peer.key)
         return None
 
     def _event(self, request: dict[str, Any], now: float) -> dict[str, Any]:
@@ -388,12 +439,16 @@ class GpuServer:
         if kind is EventKind.XID and not isinstance(xid, int):
             raise RequestError("an xid event needs an integer xid")
         detail = str(request.get("detail") or "injected")
+        gi = self.mig.check_event_gi(gpu, request.get("gi")) if kind is EventKind.XID else None
         engine = self.engines[gpu]
         if kind in (EventKind.LOST, EventKind.RECOVERED):
-            for ctx in engine.set_lost(kind is EventKind.LOST, now):
+            lost = kind is EventKind.LOST
+            for ctx in engine.set_lost(lost, now) + self.mig.set_lost(gpu, lost, now):
                 self._fail_context(ctx, f"GPU {gpu} is lost (fell off the bus)")
             self._dirty.add(gpu)
         event = {"gpu": gpu, "kind": kind.value, "xid": xid, "detail": detail}
+        if gi is not None:
+            event["gi"] = gi
         for peer in self._peers.values():
             if peer.subscribed:
                 self._push(peer, event)
@@ -453,9 +508,11 @@ class GpuServer:
             self.driver.mps_release(int(peer.waiting.get("gpu", -1)), peer.pid)
             peer.waiting = None
         if peer.ctx is not None:
-            self.engines[peer.gpu].destroy_context(peer.ctx, time.monotonic())
-            self.driver.mps_release(peer.gpu, peer.pid)
+            if isinstance(peer.key, int) or peer.key in self.mig.devices:
+                self._engine(peer.key).destroy_context(peer.ctx, time.monotonic())
+                self._dirty.add(peer.key)
             peer.ctx = None
-            self._dirty.add(peer.gpu)
-            self._admit_waiting(peer.gpu)
+            if isinstance(peer.key, int):  # a GPU's own context (MPS is not run on MIG devices)
+                self.driver.mps_release(peer.gpu, peer.pid)
+                self._admit_waiting(peer.gpu)
         peer.call, peer.wake_at = None, math.inf

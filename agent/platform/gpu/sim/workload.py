@@ -42,12 +42,14 @@ log = logging.getLogger(__name__)
 MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_MEMORY_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 _UNITS = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     gpu: int
+    mig: str | None = None  # the UUID of the GPU's MIG device to run on
     pattern: PatternSpec = field(default_factory=PatternSpec)
     memory_mib: int = 0
     duration_s: float | None = None  # None: until stopped
@@ -112,6 +114,14 @@ def mps_memory_limit_mib(environ: dict[str, str] | None = None) -> int | None:
     return None
 
 
+def mig_from_environment(environ: dict[str, str] | None = None) -> str | None:
+    """The MIG device ``CUDA_VISIBLE_DEVICES`` names first (``MIG-<uuid>``), as CUDA picks
+    it; None when it names none."""
+    raw = (os.environ if environ is None else environ).get(VISIBLE_DEVICES_ENV, "")
+    first = raw.split(",")[0].strip()
+    return first if first.startswith("MIG-") else None
+
+
 def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> WorkloadStats:
     """Open a context on the spec's GPU and run its pattern until ``stop`` or the duration
     ends; the context (and whatever it still had queued) goes with the connection."""
@@ -125,6 +135,7 @@ def run_workload(state_dir: Path, spec: WorkloadSpec, stop: threading.Event) -> 
         mps_share(),
         mps_pipe=os.environ.get(MPS_PIPE_ENV, ""),
         memory_limit_mib=mps_memory_limit_mib(),
+        mig=spec.mig or "",
     )
     ctx.interrupted = stop.is_set
     driver = SimDriverCalls() if spec.driver_ioctls else None
