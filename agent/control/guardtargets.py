@@ -133,18 +133,34 @@ class GuardTargets:
     def pod_policy(self, uid: str) -> DevicePolicy | None:
         """What a pod's cgroup may open, for the device gate: the GPUs the ledger holds for any
         of its containers, no NVIDIA device without any; None when the pod is exempt. A pod the
-        cache does not know (yet) is held to what the ledger says: Allocate knew its UID."""
+        cache does not know (yet) is held to what the ledger says: Allocate knew its UID. So
+        is every pod before the pod cache has synced or the Node has been seen: the gate
+        closes from the agent's first instant, and an exempt pod is released once the
+        exemption can be checked (:meth:`settled`)."""
         if uid == self._own:
             return None
         pod = self._pods.get(uid)
-        if pod is None and not self._pods.stats().synced:
-            raise TargetsNotReadyError("the pod cache has not synced yet")
-        if pod is not None and self._exempt(pod, self._offered()) is not None:
-            return None
+        if pod is not None:
+            offered = self._offered_or_none()
+            if self._exempt(pod, offered) is not None:
+                return None
         held = self._ledger.of_pod(uid)
         return DevicePolicy(frozenset(self._minors[g] for a in held for g in a.gpus) if held else None)
 
-    def _exempt(self, pod: PodInfo, offered: frozenset[str]) -> str | None:
+    def settled(self) -> bool:
+        """Whether a pod's exemption can be decided now (the pod cache has synced and the Node
+        has been seen): before, :meth:`pod_policy` fails closed."""
+        return self._pods.stats().synced and self._offered_or_none() is not None
+
+    def _offered_or_none(self) -> frozenset[str] | None:
+        try:
+            return self._offered()
+        except TargetsNotReadyError:
+            return None
+
+    def _exempt(self, pod: PodInfo, offered: frozenset[str] | None) -> str | None:
+        """Why the pod is exempt, or None. ``offered`` None: the Node has not been seen, so
+        no pod is exempt for another plugin's GPUs yet (and nothing is refused for it)."""
         if pod.uid == self._own:
             return "the agent's own pod (NVML needs every GPU)"
         if pod.annotations.get(EXEMPT_ANNOTATION) == EXEMPT_VALUE:
@@ -166,10 +182,10 @@ class GuardTargets:
                     amount = int_quantity(text)
                 except ValueError:
                     amount = 0
-                if amount > 0 and resource in offered:
+                if offered is not None and amount > 0 and resource in offered:
                     return f"{resource}: {text} (container {c.name}) from another device plugin"
                 named.append(f"{resource}: {text!r}")
-        if named:
+        if named and offered is not None:
             self._refuse(
                 pod,
                 "resource",

@@ -11,7 +11,10 @@ a pod cgroup appears, puts the pod's policy on it at once: the union of the GPUs
 ledger holds for the pod (Allocate runs at admission, before kubelet creates the cgroup),
 no NVIDIA device for a pod without any, nothing for an exempt pod (the same decisions as
 the guard's targets). A pod the agent does not know yet gets no NVIDIA device until it is
-resolved. When a container cgroup appears in a pod the policy is evaluated again (a DRA
+resolved, and so does every pod gated before the pod cache has synced (from the agent's
+first instant: a DaemonSet rollout restarts it while pods start), beyond what the ledger
+holds for it; an exempt one among them is released the moment its exemption can be
+checked. When a container cgroup appears in a pod the policy is evaluated again (a DRA
 claim is prepared after the pod cgroup exists, before its containers), and every
 ``interval_s`` all pod cgroups are.
 
@@ -62,8 +65,13 @@ class PodGate:
         mode: GuardMode = GuardMode.ENFORCE,
         interval_s: float = 2.0,
         proc_root: Path = Path("/proc"),
+        settled: Callable[[], bool] | None = None,
     ) -> None:
+        """``settled``: whether ``verdict`` can tell exempt pods yet (before, it fails closed:
+        the pods gated meanwhile are judged again the moment it can)."""
         self._verdict = verdict
+        self._settled = settled
+        self._provisional: set[Path] = set()  # gated before the verdict could tell exemptions
         self._resolver = resolver
         self._rules = rules
         self.mode = GuardMode(mode)
@@ -101,10 +109,20 @@ class PodGate:
                     for item in events:
                         if item.event.created:
                             self._created(watch, item.directory / item.event.name)
+                    self._judge_provisional()
                     if any(e.event.mask & IN_Q_OVERFLOW for e in events):
                         break  # events were lost: a full pass now
         finally:
             watch.close()
+
+    def _judge_provisional(self) -> None:
+        """The pods gated before exemptions could be told, judged again once they can."""
+        if not self._provisional or self._settled is None or not self._settled():
+            return
+        pending, self._provisional = self._provisional, set()
+        for pod_dir in pending:
+            if pod_dir.is_dir():
+                self.gate(pod_dir)
 
     def _watch_tree(self, watch: TreeWatch) -> bool:
         if not watch.add(self._root):
@@ -156,6 +174,8 @@ class PodGate:
             return None
         with self._lock:
             try:
+                if self._settled is not None and not self._settled():
+                    self._provisional.add(pod_dir)
                 policy = self._verdict(uid)
             except TargetsNotReadyError:
                 return None

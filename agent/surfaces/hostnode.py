@@ -79,6 +79,7 @@ class HostIntegration:
             mode=mode,
             interval_s=self.cgroup_settings.guard_interval_s,
             proc_root=self.cgroup_settings.proc_root,
+            settled=targets.settled,
         )
 
     def start(self, supervisor: Supervisor) -> None:

@@ -173,8 +173,18 @@ def test_the_pod_policy_for_the_gate() -> None:
     # Allocate named the pod before the cache saw it: its GPUs, nothing else.
     assert targets.pod_policy("not-listed-yet") == DevicePolicy(frozenset({0}))
     assert targets.pod_policy("unknown") == DevicePolicy(None)
+    assert targets.settled()
+    # Before the pod cache has synced (the agent's first instant) the gate fails closed:
+    # the ledger's GPUs for a pod Allocate named, no NVIDIA device for any other.
     unsynced = cache(shared)
     unsynced.stats = lambda: SimpleNamespace(synced=False)
     unsynced.get = lambda uid: None
-    with pytest.raises(TargetsNotReadyError):
-        GuardTargets(unsynced, ledger, gpus).pod_policy("unknown")
+    early = GuardTargets(unsynced, ledger, gpus)
+    assert not early.settled()
+    assert early.pod_policy("unknown") == DevicePolicy(None)
+    assert early.pod_policy("not-listed-yet") == DevicePolicy(frozenset({0}))
+    # Before the Node has been seen, another plugin's GPUs exempt nobody yet (nor is the pod
+    # told that they do not count: that is decided once they can be checked).
+    unseen = GuardTargets(cache(real), ledger, gpus, node_resources=lambda: None)
+    assert not unseen.settled()
+    assert unseen.pod_policy(real.uid) == DevicePolicy(None)

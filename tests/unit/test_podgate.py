@@ -140,3 +140,30 @@ def test_exempt_and_undecidable_pods_get_nothing_and_a_pass_catches_up(kubepods:
     pod.rmdir()
     gate.reconcile_once()  # gone: forgotten, and what the mechanism held for it dropped
     assert rules.removed == [pod, pod] and gate.stats().gated == 0
+
+
+def test_a_pod_made_before_the_pod_cache_synced_is_gated_at_once_and_released_if_exempt(
+    kubepods: Path,
+) -> None:
+    # The agent's first instant (a DaemonSet rollout restarts it while pods start): the
+    # verdict fails closed until exemptions can be told, and the gate judges the pods it
+    # gated meanwhile again as soon as they can, not at the next pass (60 s here).
+    rules = RecordingRules()
+    state = {"settled": False}
+
+    def verdict(uid: str) -> DevicePolicy | None:
+        return None if state["settled"] else DevicePolicy(None)  # exempt, once that can be told
+
+    resolver = CgroupResolver(CgroupLayout(CgroupMode.V2, v2_root=kubepods.parent), CgroupDriver.CGROUPFS)
+    gate = PodGate(
+        verdict, resolver, rules, interval_s=60, proc_root=kubepods.parent, settled=lambda: state["settled"]
+    )
+    with running(gate):
+        pod = kubepods / "besteffort" / f"pod{UID}"
+        made = time.monotonic()
+        pod.mkdir()
+        wait_for(lambda: rules.ensured)
+        assert rules.ensured[0][:2] == (pod, DevicePolicy(None)) and rules.ensured[0][2] - made < 1.0
+        state["settled"] = True
+        wait_for(lambda: rules.removed == [pod])
+        assert gate.stats().gated == 0
