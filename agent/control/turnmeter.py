@@ -22,6 +22,7 @@ converted with the clock's current offset.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Reversible, Sequence
 from dataclasses import dataclass, field
@@ -233,17 +234,24 @@ class TurnMeter:
             return
         period = data.typical_period()
         window = data.book.window_s(period)
+        due: list[tuple[float, str, float]] = []
         while data.observed and data.observed[0][0] <= end + 1e-6:
-            at, key, value = data.observed.popleft()
+            due.append(data.observed.popleft())
+        for at, group in itertools.groupby(due, key=lambda o: o[0]):
             if at < end - HISTORY_S / 2:
                 continue
             since, until = at - window + period / 2, at + period / 2  # the periods that end in it
             given = {k: max(0.0, _between(h, since, until)) for k, h in data.work.items()}
-            periods = [c for e, c in data.candidates if since < e <= until]
-            # Alone: the record says nobody else could have run, and NVML credited nobody else.
-            alone = bool(periods) and all(c <= {key} for c in periods)
-            alone = alone and not any(k != key and since < t <= until for t, k, _u in data.credits)
-            for k, seconds in data.book.correct(key, value, window, given, alone=alone).items():
+            periods = [c for t, c in reversed(data.candidates) if since < t <= until]
+            credited = {k for t, k, _u in _tail(data.credits, since) if t <= until}
+            moved: dict[str, float] = {}
+            for _at, key, value in group:
+                # Alone: the record says nobody else could have run, and NVML credited nobody else.
+                alone = bool(periods) and all(c <= {key} for c in periods) and credited <= {key}
+                for k, seconds in data.book.correct(key, value, window, given, alone=alone).items():
+                    given[k] = max(0.0, given.get(k, 0.0) + seconds)
+                    moved[k] = moved.get(k, 0.0) + seconds
+            for k, seconds in moved.items():
                 _insert(data.work.setdefault(k, collections.deque()), at, seconds)
                 data.total[k] = data.total.get(k, 0.0) + seconds
                 if k in data.accounts:
@@ -341,12 +349,25 @@ def _between(history: Reversible[tuple[float, float]], since: float, until: floa
 
 
 def _insert(history: collections.deque[tuple[float, float]], end: float, seconds: float) -> None:
-    """Add (end, seconds) to a time-ordered history (near its tail: a credit is recent)."""
-    n = len(history)
-    i = n
-    while i > 0 and history[i - 1][0] > end:
+    """Add ``seconds`` at ``end`` to a time-ordered history (near its tail: a credit is
+    recent), into the entry of that end where there is one (the history stays one entry a
+    period however many credits correct it)."""
+    i = len(history)
+    while i > 0 and history[i - 1][0] > end + 1e-9:
         i -= 1
-    if i == n:
+    if i > 0 and abs(history[i - 1][0] - end) <= 1e-9:
+        history[i - 1] = (history[i - 1][0], history[i - 1][1] + seconds)
+    elif i == len(history):
         history.append((end, seconds))
     else:
         history.insert(i, (end, seconds))
+
+
+def _tail(history: Reversible[tuple[float, str, float]], since: float) -> list[tuple[float, str, float]]:
+    """The entries of a time-ordered history after ``since`` (newest first)."""
+    out = []
+    for entry in reversed(history):
+        if entry[0] <= since:
+            break
+        out.append(entry)
+    return out
