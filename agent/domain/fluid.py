@@ -79,6 +79,8 @@ class Demand:
 
 def water_fill(demands: Mapping[K, float]) -> dict[K, float]:
     """Rates for demands each at most its own, the GPU divided max-min fairly."""
+    if sum(demands.values()) <= 1.0:
+        return {k: max(0.0, v) for k, v in demands.items()}  # room for all (the common case)
     out: dict[K, float] = {}
     left = 1.0
     order = sorted(demands, key=lambda k: demands[k])
