@@ -83,10 +83,37 @@ def group_ticks(procfs: ProcFS, pids: list[int]) -> int:
     return total
 
 
+def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """Each thread of ``pid``: (its kernel name, CPU ticks so far); supervised loops are named
+    after their task (agent/platform/threadname.py)."""
+    found: dict[int, tuple[str, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            found[int(task.name)] = (comm, int(fields[11]) + int(fields[12]))  # utime + stime
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue  # the thread ended while we read it
+    return found
+
+
+def thread_report(
+    before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], elapsed: float
+) -> None:
+    """The agent's CPU per thread name over the window, largest first."""
+    by_name: dict[str, float] = {}
+    for tid, (comm, ticks) in after.items():
+        start = before.get(tid, (comm, 0))[1] if tid in before else 0
+        by_name[comm] = by_name.get(comm, 0.0) + 100 * (ticks - start) / HZ / elapsed
+    shown = sorted(by_name.items(), key=lambda item: -item[1])
+    print("    agent threads: " + ", ".join(f"{name} {pct:.2f}%" for name, pct in shown if pct >= 0.05))
+
+
 def watch(pids: dict[str, int], seconds: float, group: list[int] | None = None) -> dict[str, Footprint]:
     """Sample each process once a second over ``seconds``; ``group`` (the workloads) is
     reported as one, CPU only."""
     procfs = ProcFS()
+    threads = thread_ticks(pids["agent"])
     ticks = {name: procfs.stat(pid).cpu_ticks for name, pid in pids.items()}
     group_start = group_ticks(procfs, group or [])
     peaks = {name: rss_mb(pid) for name, pid in pids.items()}
@@ -96,6 +123,7 @@ def watch(pids: dict[str, int], seconds: float, group: list[int] | None = None) 
         for name, pid in pids.items():
             peaks[name] = max(peaks[name], rss_mb(pid))
     elapsed = time.monotonic() - started
+    thread_report(threads, thread_ticks(pids["agent"]), elapsed)
     found = {
         name: Footprint(
             rss_mb(pid), peaks[name], 100 * (procfs.stat(pid).cpu_ticks - ticks[name]) / HZ / elapsed

@@ -240,8 +240,14 @@ class Enforcer:
         if not turns:
             return self.duty.view(gpu, stale)
         device = self.turns.meter.device_percent(gpu, self.gains.window_s)
-        controls = [c for c in self._controls.values() if c.spec.gpus and c.spec.gpus[0] == gpu]
-        cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
+        cycle = max(
+            (
+                c.cycle_s
+                for c in self._controls.values()
+                if c.throttled and c.spec.gpus and c.spec.gpus[0] == gpu
+            ),
+            default=0.0,
+        )
         return GpuView(gpu, device, "turns", cycle, stale)
 
     def _note_stale(self, gpu: int, reason: str | None) -> str | None:

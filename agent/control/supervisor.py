@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.clock import Clock, SystemClock
+from agent.platform.threadname import set_native_name
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Supervisor:
         thread.start()
 
     def _run(self, name: str, task: Task, state: TaskState) -> None:
+        set_native_name(name)  # per-thread CPU (top -H, /proc/<pid>/task/*/comm) names the loop
         backoff = self.min_backoff_s
         while not self.stop_event.is_set():
             state.running = True

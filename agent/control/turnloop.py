@@ -42,7 +42,8 @@ BOOKED_PERCENT = 95.0  # active containers' targets add up to this much
 USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
 ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
 YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
-FIGURES_S = 10.0  # duty and cycle: over the turns of this long
+FIGURES_S = 10.0  # duty and cycle: over the turns of this long...
+FIGURES_EVERY_S = 1.0  # ...worked out this often per held container
 SLOT_S = 0.004  # actions this close together go in one wake-up
 FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a drain to show over in the samples
 MIN_CYCLE_S = 0.2  # the shortest cycle of turns
@@ -66,6 +67,7 @@ class _GpuTurns:
     frozen_at: dict[str, float] = field(default_factory=dict)  # frozen lately, whose drain may run
     waiting_for: dict[str, float] = field(default_factory=dict)  # drains being watched (freeze time)
     expected: dict[str, float] = field(default_factory=dict)  # drain expected after its next freeze
+    figured: dict[str, float] = field(default_factory=dict)  # status figures last worked out
 
 
 class TurnLoop:
@@ -233,6 +235,7 @@ class TurnLoop:
         state.starved_since.pop(key, None)
         state.yielding.discard(key)
         state.thaws.pop(key, None)
+        state.figured.pop(key, None)
         if key in state.order:
             state.order.remove(key)
         self.meter.forget(gpu, key)
@@ -406,15 +409,19 @@ class TurnLoop:
         """Duty (share of the recent time it was thawed), cycle (mean time between its turns),
         drain, and whether its cap can be held at all."""
         state = self._gpus[gpu]
-        thaws = state.thaws.get(control.key, collections.deque())
-        while thaws and thaws[0][1] < now - FIGURES_S:
-            thaws.popleft()
         model = self.meter.gpus[gpu].attribution.models.get(control.key)
         if model is not None:
             control.state.drain_s = model.drain_s
         if not held:
             control.state.duty, control.cycle_s, control.unholdable = 1.0, 0.0, ""
+            state.figured.pop(control.key, None)
             return
+        if now - state.figured.get(control.key, -math.inf) < FIGURES_EVERY_S:
+            return  # status figures over 10 s: once a second is fresh enough
+        state.figured[control.key] = now
+        thaws = state.thaws.get(control.key, collections.deque())
+        while thaws and thaws[0][1] < now - FIGURES_S:
+            thaws.popleft()
         since = max(now - FIGURES_S, thaws[0][0]) if thaws else now - FIGURES_S
         thawed = sum(min(end, now) - max(start, since) for start, end in thaws if min(end, now) > since)
         control.state.duty = min(1.0, thawed / max(now - since, 1e-9))
