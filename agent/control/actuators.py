@@ -132,12 +132,20 @@ class FreezerActuator:
             # The journal's own list too: entries a caller added without going through us.
             dirs = (self._journaled | set(self._journal.entries().cgroups)) - self._left_paused
             failures = []
+            thawed = []
             for cgroup_dir in sorted(dirs):
                 try:
                     self._thaw(cgroup_dir, str(cgroup_dir))
-                    self._forget(cgroup_dir)
+                    thawed.append(cgroup_dir)
                 except PlatformError as err:
                     failures.append(str(err))
+            # Out of the journal in one write once thawed (an entry kept a moment longer only
+            # has the watchdog thaw a thawed cgroup again): not one write per container.
+            self._journal.remove_cgroups(thawed)
+            for cgroup_dir in thawed:
+                self._frozen.discard(cgroup_dir)
+                self._journaled.discard(cgroup_dir)
+                self._files.close(cgroup_dir)
             if failures:
                 raise FreezerError(f"could not release {len(failures)} cgroup(s): {'; '.join(failures)}")
 

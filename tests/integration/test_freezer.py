@@ -142,15 +142,26 @@ def test_freezer_actuator_takes_gone_cgroups_in_its_stride(tree: CgroupTree, jou
         actuator.freeze(ThrottleTarget("ns/pod/b", None, None))
 
 
-def test_release_all_thaws_every_cgroup(tree: CgroupTree, journal: FreezeJournal) -> None:
-    dirs = [tree.mkdir(UNIFIED, "pod/a"), tree.mkdir("freezer", "pod/b")]
+def test_release_all_thaws_every_cgroup_and_writes_the_journal_once(
+    tree: CgroupTree, journal: FreezeJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dirs = [tree.mkdir(UNIFIED, "pod/a"), tree.mkdir("freezer", "pod/b"), tree.mkdir(UNIFIED, "pod/c")]
     actuator = FreezerActuator(journal)
     for n, cgroup in enumerate(dirs):
         actuator.freeze(ThrottleTarget(f"ns/pod/{n}", cgroup, None))
     assert all(is_frozen(d) for d in dirs)
+    writes: list[str] = []
+    real = os.replace
+
+    def counting(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        writes.append(str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", counting)
     actuator.release_all()
     assert not any(is_frozen(d) for d in dirs)
     assert journal.entries().empty
+    assert writes == [str(journal.path)]  # one write for all of them, after the thaws
 
 
 @pytest.mark.parametrize("version", sorted(HIERARCHIES))
