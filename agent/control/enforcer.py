@@ -44,6 +44,7 @@ from agent.platform.freezejournal import JournalError
 log = logging.getLogger(__name__)
 
 FREEZE_SLOT_S = 0.004  # actions due this close together share one wake-up
+IDLE_READ_S = 1.0  # a GPU with no container under control is read this often
 NOT_FOUND = "the container's cgroup was not found (yet)"
 FEEDBACKS = ("device", "nvml")  # turns on device samples (default), or duty cycles on NVML's samples
 
@@ -143,7 +144,12 @@ class Enforcer:
         turn_gpus = [g for g in self._gpus if self.uses_turns(g)]
         duty_gpus = [g for g in self._gpus if g not in turn_gpus]
         self.duty.begin(index, start, duty_gpus)
-        self.turns.meter.read(turn_gpus, wait_s=0.4 * self.period_s)
+        # A GPU with no container under control is read once a second (for its status), not
+        # every period: an idle node costs next to nothing.
+        occupied = {c.spec.gpus[0] for c in self._controls.values() if c.spec.gpus}
+        every = max(1, round(IDLE_READ_S / self.period_s))
+        read = [g for g in turn_gpus if g in occupied or index % every == 0]
+        self.turns.meter.read(read, wait_s=0.4 * self.period_s)
         self.stats.measure_errors = self.duty.meter.errors + self.turns.meter.errors
         held = self._control(turn_gpus)
         self.stats.periods += 1
