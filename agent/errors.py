@@ -19,6 +19,14 @@ class ConfigError(VcudaError):
         super().__init__("; ".join(self.problems) if self.problems else "invalid configuration")
 
 
+class MigGeometryError(ConfigError):
+    """A MIG geometry of the node config that a GPU cannot take: a profile it does not have,
+    or instances that do not fit its placements."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
+
+
 class GpuError(VcudaError):
     """A GPU backend (NVML or simulated) could not answer."""
 
@@ -124,6 +132,11 @@ class MpsUnavailableError(PlatformError):
 class MpsCommandError(PlatformError):
     """An MPS control command or signal did not get through: the program is missing or not
     permitted, it timed out or failed, or the daemon could not be signalled."""
+
+
+class MigChangeError(GpuError):
+    """A change of a GPU's MIG mode or instances that the agent would not make (processes on
+    the GPU) or that the driver refused."""
 
 
 class MemoryLimitUnsupportedError(GpuError):

@@ -18,6 +18,9 @@
 #ifndef VCUDA_MAX_DEPTH
 #define VCUDA_MAX_DEPTH 16  // cgroup levels looked at (kubepods → qos → pod → scope → leaf ...)
 #endif
+#ifndef VCUDA_MAX_CAPS
+#define VCUDA_MAX_CAPS 16  // nvidia-caps minors one policy allows (two per MIG device)
+#endif
 
 #define NVIDIA_MAJOR 195
 #define NVIDIA_CTL_MINOR 255
@@ -27,14 +30,16 @@
 
 // Classes of the dynamic NVIDIA majors (from /proc/devices), in `majors`.
 #define MAJOR_UVM 1    // nvidia-uvm(-tools): allowed with a GPU
-#define MAJOR_CAPS 2   // nvidia-caps*: always denied
+#define MAJOR_CAPS 2   // nvidia-caps-*: always denied
 #define MAJOR_OTHER 3  // nvswitch, nvlink, ...: denied without a GPU
+#define MAJOR_MIG_CAPS 4  // nvidia-caps: the policy's capability minors only (its MIG devices)
 
 struct policy {
-    u64 gpu_minors[4];  // bit N set: /dev/nvidiaN (195:N) allowed
-    u32 flags;          // POLICY_*
-    u32 pad;
-    u64 denied;         // accesses denied (or, in audit, that would have been)
+    u64 gpu_minors[4];         // bit N set: /dev/nvidiaN (195:N) allowed
+    u32 flags;                 // POLICY_*
+    u32 ncaps;                 // how many of caps[] are set
+    u32 caps[VCUDA_MAX_CAPS];  // nvidia-caps minors allowed: each MIG device's GI and CI access
+    u64 denied;                // accesses denied (or, in audit, that would have been)
 };
 
 BPF_HASH(policies, u64, struct policy, VCUDA_MAX_POLICIES);
@@ -56,6 +61,16 @@ static __always_inline int allowed(struct policy *p, u32 major, u32 minor) {
         return 1;  // not an NVIDIA device: never ours to decide
     if (*class == MAJOR_CAPS)
         return 0;
+    if (*class == MAJOR_MIG_CAPS) {
+        if (!has_gpu)
+            return 0;
+#pragma unroll
+        for (int i = 0; i < VCUDA_MAX_CAPS; i++) {
+            if (i < p->ncaps && p->caps[i] == minor)
+                return 1;
+        }
+        return 0;
+    }
     return has_gpu;
 }
 

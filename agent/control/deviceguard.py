@@ -56,6 +56,7 @@ class GuardTarget:
     container_id: str  # with or without the runtime scheme ("containerd://...")
     gpu_minors: frozenset[int] | None  # its /dev/nvidiaN minors; None: the pod has no GPU
     label: str  # "namespace/pod/container", for logs and metrics
+    cap_minors: frozenset[int] = frozenset()  # its MIG devices' /dev/nvidia-caps minors
 
     @property
     def key(self) -> tuple[str, str]:
@@ -197,7 +198,7 @@ class DeviceGuard:
             previous = self._guarded.get(key)
             if previous is not None and previous.scope != dirs.scope:
                 self._forget(key)
-            policy = DevicePolicy(target.gpu_minors)
+            policy = DevicePolicy(target.gpu_minors, target.cap_minors)
             audit = self.mode == GuardMode.AUDIT
             outcome = self._rules.ensure(dirs.scope, policy, audit)
         except (VcudaError, ValueError) as err:

@@ -1,13 +1,16 @@
 """Which containers the device guard covers, and what each may open.
 
 Every started container of every pod on this node is a target: a container in the
-ledger may use its own GPUs' minors; every other container gets no NVIDIA device
+ledger may use its own GPUs' minors, one holding MIG devices of this agent's MIG plugins
+their parent GPUs and exactly their capability nodes (``control/migholdings.py``); every
+other container gets no NVIDIA device
 (this closes NVIDIA_VISIBLE_DEVICES=all on pods that never asked for a GPU). Not
 covered: the agent's own pod (NVML needs /dev/nvidia*), pods annotated
 ``nvidia.com/vcuda-device-guard: exempt`` in a namespace the admin listed
 (``--guard-exempt-namespaces``, e.g. a DCGM exporter's), and pods that request a quantity
 above zero of a GPU resource another device plugin offers on this node (``nvidia.com/gpu``,
-MIG resources, read from the Node's allocatable and capacity). The annotation anywhere else,
+MIG resources, read from the Node's allocatable and capacity; not those this agent serves
+itself). The annotation anywhere else,
 a zero quantity (it passes the scheduler's fit check on any node) and a resource this node
 does not offer are refused, with an Event: a tenant cannot exempt itself (docs/security.md).
 Why each pod is exempt is kept for the status document (``exemptions``).
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 from agent.control.deviceguard import GuardTarget, TargetsNotReadyError
 from agent.control.kubeports import EventSink
+from agent.control.migholdings import MigGrant
 from agent.domain.ledger import Ledger
 from agent.platform.cgroups.devicepolicy import DevicePolicy
 from agent.platform.gpu.inventory import GpuInfo
@@ -73,9 +77,13 @@ class GuardTargets:
         exempt_namespaces: frozenset[str] = frozenset(),
         events: EventSink | None = None,
         node_resources: NodeResources | None = None,
+        mig: Callable[[], Mapping[tuple[str, str], MigGrant]] | None = None,
+        own_resources: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         """``node_resources``: this Node's resources; without it no pod is exempt for another
-        plugin's GPUs (the guard fails closed)."""
+        plugin's GPUs (the guard fails closed). ``mig``: (pod UID, container) -> the nodes its
+        MIG devices need; ``own_resources``: the GPU resources this agent serves (MIG ones),
+        which exempt no pod."""
         self._pods = pods
         self._ledger = ledger
         self._minors: Mapping[int, int] = {g.index: g.minor for g in gpus}
@@ -83,6 +91,8 @@ class GuardTargets:
         self._exempt_namespaces = exempt_namespaces
         self._events = events
         self._node_resources = node_resources
+        self._mig = mig or dict
+        self._own_resources = own_resources
         self._refused: set[tuple[str, str]] = set()  # (pod uid, what) told once that it does not count
         self._exemptions: dict[str, Exemption] = {}  # pod uid → why, as of the last call
 
@@ -92,6 +102,7 @@ class GuardTargets:
         if not self._pods.stats().synced:
             raise TargetsNotReadyError("the pod cache has not synced yet; device rules stay as they are")
         offered = self._offered()
+        grants = self._mig()
         targets: list[GuardTarget] = []
         exemptions: dict[str, Exemption] = {}
         for pod in self._pods.pods():
@@ -106,6 +117,9 @@ class GuardTargets:
                     continue  # not started: no cgroup yet
                 held = self._ledger.get(pod.uid, container.name)
                 minors = frozenset(self._minors[g] for g in held.gpus) if held is not None else None
+                grant = grants.get((pod.uid, container.name))
+                if grant is not None:
+                    minors = (minors or frozenset()) | grant.gpu_minors
                 targets.append(
                     GuardTarget(
                         pod_uid=pod.uid,
@@ -113,10 +127,18 @@ class GuardTargets:
                         container_id=container.container_id,
                         gpu_minors=minors,
                         label=f"{pod.key}/{container.name}",
+                        cap_minors=grant.cap_minors if grant is not None else frozenset(),
                     )
                 )
         self._exemptions = exemptions
         return targets
+
+    def add_mig(
+        self, grants: Callable[[], Mapping[tuple[str, str], MigGrant]], own: Callable[[], frozenset[str]]
+    ) -> None:
+        """The MIG holdings and the MIG resources this agent serves (the ``mig`` and
+        ``own_resources`` of the constructor)."""
+        self._mig, self._own_resources = grants, own
 
     def exemptions(self) -> list[Exemption]:
         """The pods left alone as of the last pass, and why."""
@@ -128,7 +150,7 @@ class GuardTargets:
         resources = self._node_resources()
         if resources is None:
             raise TargetsNotReadyError("the node has not been seen yet; device rules stay as they are")
-        return offered_gpu_resources(resources)
+        return offered_gpu_resources(resources) - self._own_resources()
 
     def pod_policy(self, uid: str) -> DevicePolicy | None:
         """What a pod's cgroup may open, for the device gate: the GPUs the ledger holds for any
@@ -145,7 +167,12 @@ class GuardTargets:
             if self._exempt(pod, offered) is not None:
                 return None
         held = self._ledger.of_pod(uid)
-        return DevicePolicy(frozenset(self._minors[g] for a in held for g in a.gpus) if held else None)
+        grants = [g for (pod_uid, _), g in self._mig().items() if pod_uid == uid]
+        if not held and not grants:
+            return DevicePolicy(None)
+        minors = frozenset(self._minors[g] for a in held for g in a.gpus)
+        minors |= frozenset(m for g in grants for m in g.gpu_minors)
+        return DevicePolicy(minors, frozenset(m for g in grants for m in g.cap_minors))
 
     def settled(self) -> bool:
         """Whether a pod's exemption can be decided now (the pod cache has synced and the Node
@@ -174,9 +201,10 @@ class GuardTargets:
                 "namespaces the cluster admin lists (--guard-exempt-namespaces); the device guard applies",
             )
         named: list[str] = []
+        own = self._own_resources()
         for c in pod.containers:
             for resource, text in c.resources.items():
-                if not resource.startswith(_OTHER_GPU_RESOURCES):
+                if not resource.startswith(_OTHER_GPU_RESOURCES) or resource in own:
                     continue
                 try:
                     amount = int_quantity(text)

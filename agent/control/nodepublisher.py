@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,8 +92,12 @@ class NodePublisher:
         heartbeat_s: float = 30.0,
         poll_s: float = 0.5,
         mig: MigSource | None = None,
+        withheld: Callable[[], Collection[int]] = frozenset,
+        mig_strategy: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """``mig``: the GPUs' MIG state (``MigWatch.snapshot``); None publishes no MIG."""
+        """``mig``: the GPUs' MIG state (``MigWatch.snapshot``); None publishes no MIG.
+        ``withheld``: the GPUs that offer no shares (in MIG mode; a change touches the health
+        board); ``mig_strategy``: the node config's, for the label (None: from the MIG state)."""
         self._nodes = nodes
         self._watch = watch
         self._gpus = tuple(sorted(gpus, key=lambda g: g.index))
@@ -107,6 +111,8 @@ class NodePublisher:
         self._poll_s = poll_s
         self._labels = gpu_labels(self._gpus)
         self._mig = mig
+        self._withheld = withheld
+        self._mig_strategy = mig_strategy
         self._seen_mig = 0
         self._lock = threading.Lock()
         self._stats = PublisherStats()
@@ -156,6 +162,7 @@ class NodePublisher:
             scaling=self._seen_scaling,
             heartbeat=0.0,
             mig=mig,
+            withheld=self._withheld(),
         )
         try:
             node = self._watch.current()
@@ -184,7 +191,7 @@ class NodePublisher:
             index: mig_entry(info, bad.get(index, ()), healthy.get(index, True))
             for index, info in infos.items()
         }
-        return {**self._labels, **mig_labels(infos)}, mig
+        return {**self._labels, **mig_labels(infos, self._mig_strategy())}, mig
 
     def _plan(
         self, node: Mapping[str, Any], desired: NodeInventory, labels: Mapping[str, str | None]

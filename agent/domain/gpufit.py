@@ -55,7 +55,8 @@ class GpuState:
 
     @property
     def empty(self) -> bool:
-        return self.healthy and not (self.used_cores or self.used_memory or self.containers)
+        used = self.used_cores or self.used_memory or self.containers
+        return self.healthy and self.cores > 0 and not used  # 0 cores: a GPU in MIG mode
 
 
 class NodeState:

@@ -151,6 +151,14 @@ class HealthBoard:
             )
             return self._version
 
+    def touch(self) -> None:
+        """A new version without a health change: what the GPUs offer changed (a GPU went into
+        MIG mode), so every listener of the board (the device plugin, the node publisher)
+        looks again."""
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
     def wake_all(self) -> None:
         """Wake waiters so they re-check their ``abort`` event."""
         with self._changed:

@@ -10,8 +10,9 @@ In the annotation (``domain/nodeinventory.py``), a MIG-capable GPU's entry carri
 
 A GPU without MIG has no ``mig`` key. The labels follow GPU feature discovery:
 ``nvidia.com/mig.capable`` (``true`` when any GPU can do MIG), ``nvidia.com/mig.strategy``
-(``mixed`` while any GPU is in MIG mode: its devices are counted per profile; ``none``
-otherwise) and ``nvidia.com/mig-<profile>.count`` (MIG devices of that profile on the node).
+(the node config's MIG strategy; without one, ``mixed`` while any GPU is in MIG mode: its
+devices are counted per profile, ``none`` otherwise) and ``nvidia.com/mig-<profile>.count``
+(MIG devices of that profile on the node).
 """
 
 from __future__ import annotations
@@ -149,13 +150,14 @@ def is_count_label(key: str) -> bool:
     return bool(_COUNT_LABEL.match(key))
 
 
-def mig_labels(infos: Mapping[int, MigInfo]) -> dict[str, str]:
-    """GPU feature discovery's MIG labels for the node's GPUs (see the module docstring)."""
+def mig_labels(infos: Mapping[int, MigInfo], strategy: str | None = None) -> dict[str, str]:
+    """GPU feature discovery's MIG labels for the node's GPUs (see the module docstring);
+    ``strategy``: the node config's MIG strategy, which the label then names."""
     capable = any(i.capable for i in infos.values())
     enabled = [i for i in infos.values() if i.capable and i.current]
     labels = {
         MIG_CAPABLE_LABEL: "true" if capable else "false",
-        MIG_STRATEGY_LABEL: "mixed" if enabled else "none",
+        MIG_STRATEGY_LABEL: strategy or ("mixed" if enabled else "none"),
     }
     counts: dict[str, int] = {}
     for info in enabled:

@@ -4,9 +4,11 @@
                      "containerRuntimeEndpoint": "/run/containerd/containerd.sock",
                      "cgroupDriver": "systemd", "sharingMode": "auto",
                      "allowedPolicies": ["fixed-share", "burst-share"], "maxLimitRatio": 1.0,
-                     "mpsAdvisoryLimits": false}]}
+                     "mpsAdvisoryLimits": false,
+                     "mig": {"strategy": "mixed", "geometry": {"0": ["3g.40gb", "2g.20gb"]}}}]}
 
-Nodes that are not listed get the defaults. Parsing reports every invalid field
+``mig``: the MIG strategy and geometry (``domain/migconfig.py``). Nodes that are not
+listed get the defaults. Parsing reports every invalid field
 with the node it belongs to, not just the first.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.domain.migconfig import MigConfig, parse_mig
 from agent.errors import ConfigError
 
 CGROUP_DRIVERS = ("systemd", "cgroupfs")
@@ -36,6 +39,7 @@ _NODE_FIELDS = (
     "allowedPolicies",
     "maxLimitRatio",
     "mpsAdvisoryLimits",
+    "mig",
 )
 _TOP_FIELDS = ("nodeConfig",)
 
@@ -54,6 +58,7 @@ class NodeConfig:
     # Use MPS limits a tenant can lift (every driver so far: docs/security.md); None: the
     # agent's --mps-advisory-limits (default no: the freezer holds those shares instead).
     mps_advisory_limits: bool | None = None
+    mig: MigConfig = field(default_factory=MigConfig)  # MIG strategy and geometry
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,12 @@ def _parse_node(entry: Any, where: str, problems: list[str]) -> NodeConfig | Non
     advisory = entry.get("mpsAdvisoryLimits")
     if advisory is not None and not isinstance(advisory, bool):
         problems.append(f"{where}: mpsAdvisoryLimits must be true or false, got {advisory!r}")
+    mig = parse_mig(entry["mig"], where, problems) if "mig" in entry else MigConfig()
     if len(problems) > before:
         return None
-    return NodeConfig(name, float(scaling), endpoint, driver, sharing, tuple(allowed), float(ratio), advisory)
+    return NodeConfig(
+        name, float(scaling), endpoint, driver, sharing, tuple(allowed), float(ratio), advisory, mig
+    )
 
 
 def _valid_endpoint(value: Any) -> bool:

@@ -11,7 +11,8 @@ compact JSON in a versioned format; version 1:
      "gpus": [{"index": 0, "uuid": "GPU-...", "model": "NVIDIA H100 80GB HBM3",
                "memoryMiB": 81559,
                "schedulableMiB": 73403,   # floor(memoryMiB x memoryScaling)
-               "cores": 100,              # vcuda-core units of the GPU
+               "cores": 100,              # vcuda-core units of the GPU (0, and schedulableMiB 0,
+                                          # for a GPU in MIG mode: it offers no shares)
                "numa": 0,                 # null when the platform does not say
                "healthy": true,
                "links": {"1": "SINGLE_SWITCH", "2": "SYSTEM"},  # TopologyLevel name per peer index
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -121,18 +122,21 @@ def build_inventory(
     scaling: float,
     heartbeat: float,
     mig: Mapping[int, MigEntry | None] | None = None,
+    withheld: Collection[int] = (),
 ) -> NodeInventory:
-    """``mig``: the MIG side of MIG-capable GPUs (by index; absent or None: no MIG)."""
+    """``mig``: the MIG side of MIG-capable GPUs (by index; absent or None: no MIG).
+    ``withheld``: GPUs that offer no shares (in MIG mode): 0 cores and 0 schedulable MiB."""
     entries = tuple(
         GpuEntry(
             index=g.index,
             uuid=g.uuid,
             model=g.model,
             memory_mib=g.memory_mib,
-            schedulable_mib=schedulable_mib(g.memory_mib, scaling),
+            schedulable_mib=0 if g.index in withheld else schedulable_mib(g.memory_mib, scaling),
             numa=g.numa_node,
             healthy=healthy.get(g.index, True),
             links={p.index: topology.link(g.index, p.index) for p in gpus if p.index != g.index},
+            cores=0 if g.index in withheld else UNITS_PER_GPU,
             mig=(mig or {}).get(g.index),
         )
         for g in sorted(gpus, key=lambda g: g.index)

@@ -5,7 +5,7 @@ pod-resources, and the enforcement specs."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from agent.control.allocations import Allocations
@@ -46,10 +46,13 @@ class KubeIntegration:
         bounds: Callable[[], SpecBounds] = SpecBounds,
         plugin_gpus: Sequence[GpuInfo] | None = None,
         mig: MigSource | None = None,
+        withheld: Callable[[], Collection[int]] = frozenset,
+        mig_strategy: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``plugin_gpus``: the GPUs the device plugin offers (default all), which the node's
         vcuda-memory and the extender's inventory describe; the ledger holds every GPU.
-        ``mig``: the GPUs' MIG state, for the annotation and the MIG labels."""
+        ``mig``: the GPUs' MIG state, for the annotation and the MIG labels; ``withheld``: the
+        GPUs that offer no shares (in MIG mode); ``mig_strategy``: for the MIG strategy label."""
         self.settings = settings
         self.node_name = node_name
         api = self.api = api_client(settings.kubeconfig, in_cluster=settings.kubeconfig is None)
@@ -68,6 +71,8 @@ class KubeIntegration:
             check_interval_s=settings.capacity_check_s,
             heartbeat_s=settings.heartbeat_s,
             mig=mig,
+            withheld=withheld,
+            mig_strategy=mig_strategy,
         )
         self.ledger = Ledger(gpus, scaling)
         self.truth = PodResourcesClient(settings.pod_resources_socket)

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from agent.domain.health import GpuHealth
-from agent.platform.gpu.migstate import MigInfo
+from agent.domain.miginventory import encode_mig, mig_entry
+from agent.platform.gpu.migstate import MigDevice, MigInfo
 
 
 class MigDeviceStatus(TypedDict):
@@ -23,41 +24,61 @@ class MigDeviceStatus(TypedDict):
     capDevices: list[str]
 
 
+class MigGeometryStatus(TypedDict):
+    wanted: list[str]  # the node config's GPU instances for this GPU
+    state: str  # applied, pending (a GPU reset), waiting (processes), refused
+    reason: str
+
+
 class MigStatus(TypedDict):
     mode: str
     pending: str
     devices: list[MigDeviceStatus]
+    strategy: NotRequired[str]  # the node config's: none, single, mixed
+    shares: NotRequired[str | None]  # why the GPU offers no vcuda-core/vcuda-memory (None: it does)
+    geometry: NotRequired[MigGeometryStatus | None]  # None: no geometry configured for it
 
 
 def mig_statuses(
     infos: Mapping[int, MigInfo], unhealthy: Mapping[tuple[int, int], GpuHealth]
 ) -> dict[int, MigStatus]:
     """``gpus[].mig`` of every MIG-capable GPU, by index; ``unhealthy``: the Unhealthy GPU
-    instances by (GPU index, GI id)."""
+    instances by (GPU index, GI id). The fields the inventory annotation has too are its
+    encoding of them (``domain/miginventory.py``)."""
     statuses: dict[int, MigStatus] = {}
     for index, info in infos.items():
-        if not info.capable:
+        entry = mig_entry(info, (gi for gpu, gi in unhealthy if gpu == index))
+        if entry is None:
             continue
-        devices = []
-        for d in info.devices:
-            bad = unhealthy.get((index, d.gi))
-            devices.append(
-                MigDeviceStatus(
-                    gi=d.gi,
-                    ci=d.ci,
-                    profile=d.profile,
-                    uuid=d.uuid,
-                    placement=f"{d.placement_start}:{d.placement_size}",
-                    memoryMiB=d.memory_mib,
-                    smCount=d.sm_count,
-                    health="Healthy" if bad is None else "Unhealthy",
-                    healthReason=None if bad is None else bad.reason,
-                    capDevices=list(d.cap_devices),
-                )
-            )
-        statuses[index] = MigStatus(
-            mode="enabled" if info.current else "disabled",
-            pending="enabled" if info.pending else "disabled",
-            devices=devices,
-        )
+        encoded = encode_mig(entry)
+        devices = [
+            _device_status(d, shared, unhealthy.get((index, d.gi)))
+            for d, shared in zip(info.devices, encoded["devices"], strict=True)
+        ]
+        statuses[index] = MigStatus(mode=encoded["mode"], pending=encoded["pending"], devices=devices)
     return statuses
+
+
+def add_mig_config(
+    statuses: dict[int, MigStatus],
+    strategy: str,
+    withheld: Mapping[int, str],
+    geometry: Mapping[int, MigGeometryStatus],
+) -> dict[int, MigStatus]:
+    """The MIG strategy, each GPU's geometry and why it offers no shares, into ``statuses``."""
+    for index, status in statuses.items():
+        status["strategy"] = strategy
+        status["shares"] = withheld.get(index)
+        status["geometry"] = geometry.get(index)
+    return statuses
+
+
+def _device_status(device: MigDevice, shared: dict[str, Any], bad: GpuHealth | None) -> MigDeviceStatus:
+    fields = {key: value for key, value in shared.items() if key != "healthy"}
+    fields.update(
+        smCount=device.sm_count,
+        health="Healthy" if bad is None else "Unhealthy",
+        healthReason=None if bad is None else bad.reason,
+        capDevices=list(device.cap_devices),
+    )
+    return cast(MigDeviceStatus, fields)

@@ -11,6 +11,9 @@ from agent.control.configwatch import ConfigWatch
 from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
 from agent.control.metricsauth import MetricsAuthorizer
+from agent.control.miggeometry import MigGeometry
+from agent.control.migholdings import MigHoldings
+from agent.control.migoffers import MigOffers
 from agent.control.migwatch import MigWatch
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
@@ -26,8 +29,9 @@ from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.platform.kube.reviews import ReviewClient
 from agent.platform.toolkitconfig import default_paths
-from agent.settings import MetricsAuth, Settings
+from agent.settings import DevicePluginSettings, MetricsAuth, Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
+from agent.surfaces.deviceplugin.migplugins import MigPlugins
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
 from agent.surfaces.dranode import DraIntegration, split_gpus
@@ -46,7 +50,7 @@ from agent.surfaces.metrics.mig_collector import MigCollector
 from agent.surfaces.metrics.sharing_collector import SharingCollector
 from agent.surfaces.metrics.tracer_collector import TracerCollector
 from agent.surfaces.metrics.xid_collector import XidCollector
-from agent.surfaces.migstatus import MigStatus, mig_statuses
+from agent.surfaces.migstatus import MigGeometryStatus, MigStatus, add_mig_config, mig_statuses
 from agent.surfaces.sharingnode import build_sharing
 
 log = logging.getLogger(__name__)
@@ -74,8 +78,6 @@ class NodeAgent:
         self.backend_name = self.backend.name
         self.gpus = tuple(self.backend.gpus())
         self.board = HealthBoard(g.index for g in self.gpus)
-        self.mig = MigWatch(self.backend, self.gpus, self.board)
-        self.mig.refresh()  # MIG modes and devices as the node starts (read-only)
         self.config = ConfigWatch(settings.config_file, settings.node_name, config, settings.config_reload_s)
         plugin = settings.plugin
         driver = discover_driver_files(plugin.driver_root, plugin.driver_root_in_agent)
@@ -87,6 +89,7 @@ class NodeAgent:
         placer = Placer(plugin_gpus, topology)
         self.service = DevicePluginService(plugin_gpus, topology, self.board, responses, placer)
         self.endpoint = PluginEndpoint(plugin, self.service)
+        self._build_mig(plugin, responses)
         self.supervisor = Supervisor()
         self.kube: KubeIntegration | None = None
         if settings.use_kube:
@@ -101,9 +104,12 @@ class NodeAgent:
                 bounds=lambda: SpecBounds.of(self.config.node),
                 plugin_gpus=plugin_gpus,
                 mig=self.mig.snapshot,
+                withheld=lambda: frozenset(self.mig_offers.withheld()),
+                mig_strategy=lambda: str(self.config.node.mig.strategy),
             )
             self.service.allocations = self.kube.allocations
             self.service.recovery = self.kube.recovery
+            self._build_mig_kube(self.kube)
         self.sharing = build_sharing(
             settings.sharing,
             backend=self.backend,
@@ -133,7 +139,7 @@ class NodeAgent:
         except VcudaError as err:  # the device plugin still serves; attribution and guard do not
             log.error("host integration unavailable (cgroups, eBPF, device guard): %s", err)
         if self.host is not None and self.kube is not None:
-            self.host.enable_guard(guard_targets(self.kube, self.gpus, settings))
+            self.host.enable_guard(self._guard_targets(self.kube, settings))
         self.enforcement: EnforcementIntegration | None = None
         if self.host is not None and self.kube is not None:
             self.enforcement = EnforcementIntegration(
@@ -156,6 +162,31 @@ class NodeAgent:
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
         self.metrics_auth: MetricsAuthorizer | None = None
+
+    def _build_mig(self, plugin: DevicePluginSettings, responses: ResponseBuilder) -> None:
+        """MIG: the config's geometry applied, the MIG devices offered by strategy, one device
+        plugin per MIG resource, and the GPUs in MIG mode withheld from vcuda-core and
+        vcuda-memory (docs/mig.md)."""
+        self.mig = MigWatch(self.backend, self.gpus, self.board)
+        self.mig.refresh()  # MIG modes and devices as the node starts
+        self.geometry = MigGeometry(self.backend, self.gpus, self.mig, lambda: self.config.node.mig)
+        self.mig_offers = MigOffers(
+            self.gpus, self.mig, self.board, lambda: self.config.node.mig.strategy, self.geometry.draining
+        )
+        self.service.withheld = self.mig_offers.withheld
+        self.mig_holdings: MigHoldings | None = None
+        self.mig_plugins = MigPlugins(plugin, self.mig_offers, responses, on_allocate=self._mig_allocated)
+
+    def _build_mig_kube(self, kube: KubeIntegration) -> None:
+        """Events for the geometry; who holds which MIG device, from kubelet, for the guard."""
+        self.geometry.events = kube.events
+        self.mig_holdings = MigHoldings(kube.truth, kube.pods, self.mig_offers, self.mig_plugins.resources)
+
+    def _guard_targets(self, kube: KubeIntegration, settings: Settings) -> GuardTargets:
+        targets = guard_targets(kube, self.gpus, settings)
+        if self.mig_holdings is not None:
+            targets.add_mig(self.mig_holdings.grants, self.mig_plugins.resources)
+        return targets
 
     def _collectors(self, settings: Settings) -> CollectorRegistry:
         registry = CollectorRegistry(auto_describe=True)
@@ -203,7 +234,17 @@ class NodeAgent:
     def mig_status(self) -> dict[int, MigStatus]:
         """Each MIG-capable GPU's MIG side for the status document."""
         _, infos = self.mig.snapshot()
-        return mig_statuses(infos, self.board.unhealthy_instances())
+        geometry = {
+            i: MigGeometryStatus(wanted=list(s.wanted), state=str(s.state), reason=s.reason)
+            for i, s in self.geometry.statuses().items()
+        }
+        statuses = mig_statuses(infos, self.board.unhealthy_instances())
+        strategy = str(self.config.node.mig.strategy)
+        return add_mig_config(statuses, strategy, self.mig_offers.withheld(), geometry)
+
+    def _mig_allocated(self) -> None:
+        if self.mig_holdings is not None:
+            self.mig_holdings.invalidate()
 
     def readiness(self) -> tuple[bool, str]:
         status = self.endpoint.status()
@@ -240,6 +281,10 @@ class NodeAgent:
         policy = HealthPolicy(self.settings.health.ignored_xids)
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
         self.supervisor.spawn("mig-inventory", self.mig.run)
+        self.geometry.apply_once()  # a geometry the GPUs can take now, before the plugins serve
+        self.mig_offers.refresh()
+        self.supervisor.spawn("mig-geometry", self.geometry.run)
+        self.supervisor.spawn("mig-offers", self.mig_offers.run)
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
         if self.host is not None:
@@ -253,6 +298,8 @@ class NodeAgent:
         if self.enforcement is not None:
             self.enforcement.start(self.supervisor)  # thaws what a previous run left frozen first
         self.endpoint.start()
+        self.mig_plugins.sync()
+        self.supervisor.spawn("mig-plugins", self.mig_plugins.run)
         if self.metrics is not None:
             self.metrics.start()
 
@@ -285,6 +332,7 @@ class NodeAgent:
             self.kube.stop()  # flush queued annotations and events while their loops still run
         self.supervisor.stop_event.set()  # background loops wind down while the rest stops
         self.endpoint.stop()
+        self.mig_plugins.stop()
         if self.dra is not None:
             self.dra.stop()
         if self.metrics is not None:

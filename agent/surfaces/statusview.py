@@ -53,7 +53,9 @@ Fields:
   ``pending`` are ``enabled`` | ``disabled``, ``pending`` the mode a GPU reset applies; each
   device ``{gi, ci, profile, uuid, placement ("start:size" on the memory slices), memoryMiB,
   smCount, health (``Healthy`` | ``Unhealthy``: an XID on its GPU instance), healthReason,
-  capDevices (the /dev/nvidia-caps nodes it needs)}``).
+  capDevices (the /dev/nvidia-caps nodes it needs)}``; ``strategy``, the node config's MIG
+  strategy; ``shares``, null or why the GPU offers no vcuda-core/vcuda-memory; ``geometry``,
+  null or ``{wanted, state (applied | pending | waiting | refused), reason}``: docs/mig.md).
 - ``containers[]``: ``namespace``/``pod``/``container``; ``policy`` (the container's cap
   policy, e.g. ``fixed-share``); ``requestCores`` (vcuda-core on this GPU); ``capPercent``
   (the cap it is held to); ``ceilingPercent`` (the most it may use when the policy lets it

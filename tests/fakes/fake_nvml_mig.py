@@ -16,7 +16,7 @@ from typing import Any
 
 import pynvml
 
-from agent.platform.gpu.migprofiles import product
+from agent.platform.gpu.migprofiles import Placement, product
 from agent.platform.gpu.sim.mig import MigError, MigGpu
 from tests.fakes.fake_nvml import FakeGpu, FakeNvml, _address, _error
 
@@ -40,6 +40,8 @@ class FakeMigNvml(FakeNvml):
             index: MigGpu(index, gpu.minor, gpu.uuid, product((mig or {}).get(index, "")))
             for index, gpu in enumerate(gpus)
         }
+        self.mig_busy: dict[int, str] = {}  # GPU index -> why a mode change is IN_USE
+        self.c_nvmlGpuInstancePlacement_t = pynvml.c_nvmlGpuInstancePlacement_t
 
     def mig(self, index: int) -> MigGpu:
         """GPU ``index``'s MIG state, to set a mode and geometry as a test needs."""
@@ -164,3 +166,32 @@ class FakeMigNvml(FakeNvml):
         info.multiprocessorCount = found.sm_count
         info.name = f"MIG {found.name}".encode()
         return info
+
+    # --- MIG changes --------------------------------------------------------------------
+    def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
+        with self._cond:
+            gpu = self._gpu("nvmlDeviceSetMigMode", device)
+        return int(self._call(gpu.set_mode, mode, self.mig_busy.get(gpu.index)))
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, device: Any, profileId: int, placement: Any) -> Any:
+        with self._cond:
+            gpu = self._gpu("nvmlDeviceCreateGpuInstanceWithPlacement", device)
+        place = placement._obj  # pynvml passes a pointer (ctypes.byref) to the placement struct
+        gi = self._call(gpu.create_gi, profileId, Placement(place.start, place.size))
+        return self._pointer(_GI_BASE + (gpu.index << 16 | gi.id << 8), pynvml.c_nvmlGpuInstance_t)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
+        index, gi_id, _ = self._decode(gpuInstance, _GI_BASE)
+        ci = self._call(self._mig[index].create_ci, gi_id, profileId)
+        address = _CI_BASE + (index << 16 | gi_id << 8 | ci.id << 4)
+        return self._pointer(address, pynvml.c_nvmlComputeInstance_t)
+
+    def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
+        index, gi_id, ci_id = self._decode(computeInstance, _CI_BASE)
+        self._call(self._mig[index].destroy_ci, gi_id, ci_id, None)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
+        index, gi_id, _ = self._decode(gpuInstance, _GI_BASE)
+        self._call(self._mig[index].destroy_gi, gi_id)
+        return int(pynvml.NVML_SUCCESS)

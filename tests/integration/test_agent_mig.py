@@ -1,9 +1,11 @@
-"""A real agent on a node whose simulated GPU 0 is in MIG mode: it reports the MIG devices in
-its status, the node's inventory annotation, GPU feature discovery's labels and its metrics,
-and an XID on one GPU instance makes that instance Unhealthy, not the GPU."""
+"""A real agent on a node whose simulated GPU 0 is in MIG mode (MIG strategy mixed): it reports
+the MIG devices in its status, the node's inventory annotation, GPU feature discovery's labels
+and its metrics, offers no shares of GPU 0, and an XID on one GPU instance makes that
+instance Unhealthy, not the GPU."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -65,7 +67,9 @@ def labels(cluster: Cluster) -> dict[str, str]:
 def test_the_agent_reports_mig_devices_and_their_health(
     mig_gpus: Path, start_agent: Callable[..., AgentProcess], short_dir: Path, cluster: Cluster
 ) -> None:
-    agent = start_agent(SPEC, kube=cluster.kube)
+    config = short_dir / "config.json"
+    config.write_text(json.dumps({"nodeConfig": [{"name": NODE, "mig": {"strategy": "mixed"}}]}))
+    agent = start_agent(SPEC, "--config", str(config), kube=cluster.kube)
     wait_until(lambda: labels(cluster).get("nvidia.com/mig.strategy") == "mixed", 30, "MIG labels")
     node_labels = labels(cluster)
     assert node_labels["nvidia.com/mig.capable"] == "true"
@@ -106,4 +110,12 @@ def test_the_agent_reports_mig_devices_and_their_health(
     assert devices["3g.40gb"]["capDevices"] == [
         f"/dev/nvidia-caps/nvidia-cap{devices['3g.40gb']['gi'] * 9 + n}" for n in (3, 4)
     ]
-    assert status["gpus"][1]["mig"] == {"mode": "disabled", "pending": "disabled", "devices": []}
+    assert gpu0["mig"]["strategy"] == "mixed" and "in MIG mode" in gpu0["mig"]["shares"]
+    assert status["gpus"][1]["mig"] == {
+        "mode": "disabled", "pending": "disabled", "devices": [], "strategy": "mixed", "shares": None,
+        "geometry": None,
+    }  # fmt: skip
+    # GPU 0 offers no shares: vcuda-memory is GPU 1's, and the annotation says 0 cores on GPU 0.
+    assert (published.gpus[0].cores, published.gpus[0].schedulable_mib) == (0, 0)
+    capacity = ((cluster.api.node(NODE) or {}).get("status") or {}).get("capacity") or {}
+    assert capacity.get("nvidia.com/vcuda-memory") == str(published.gpus[1].schedulable_mib)

@@ -36,7 +36,9 @@ Block devices:
   7 loop
 200 nvidia-not-a-char-device
 """
-MAJORS = NvidiaMajors(uvm=frozenset({510}), caps=frozenset({235, 236}), other=frozenset({507, 508}))
+MAJORS = NvidiaMajors(
+    uvm=frozenset({510}), caps=frozenset({235, 236}), other=frozenset({507, 508}), mig_caps=frozenset({236})
+)
 
 
 def test_parse_proc_devices() -> None:

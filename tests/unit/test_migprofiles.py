@@ -23,45 +23,26 @@ from agent.platform.gpu.migprofiles import (
     remaining_capacity,
 )
 
-# (name, id, compute slices, memory slices, instances, placement starts, placement size) per
-# product, as nvidia-smi mig -lgip / -lgipp print them.
+# (id, compute slices, memory slices, instances, placement starts, placement size) of each
+# product's profiles, in the order nvidia-smi mig -lgip / -lgipp print them; only the names
+# differ between products.
+SHAPES = [
+    (19, 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    (20, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
+    (15, 1, 2, 4, (0, 2, 4, 6), 2),
+    (14, 2, 2, 3, (0, 2, 4), 2),
+    (9, 3, 4, 2, (0, 4), 4),
+    (5, 4, 4, 1, (0,), 4),
+    (0, 7, 8, 1, (0,), 8),
+]
+NAMES = {
+    "A100-40GB": ("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
+    "A100-80GB": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "H100-80GB": ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "H200-141GB": ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+}
 TABLES = {
-    "A100-40GB": [
-        ("1g.5gb", 19, 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.5gb+me", 20, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.10gb", 15, 1, 2, 4, (0, 2, 4, 6), 2),
-        ("2g.10gb", 14, 2, 2, 3, (0, 2, 4), 2),
-        ("3g.20gb", 9, 3, 4, 2, (0, 4), 4),
-        ("4g.20gb", 5, 4, 4, 1, (0,), 4),
-        ("7g.40gb", 0, 7, 8, 1, (0,), 8),
-    ],
-    "A100-80GB": [
-        ("1g.10gb", 19, 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.10gb+me", 20, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.20gb", 15, 1, 2, 4, (0, 2, 4, 6), 2),
-        ("2g.20gb", 14, 2, 2, 3, (0, 2, 4), 2),
-        ("3g.40gb", 9, 3, 4, 2, (0, 4), 4),
-        ("4g.40gb", 5, 4, 4, 1, (0,), 4),
-        ("7g.80gb", 0, 7, 8, 1, (0,), 8),
-    ],
-    "H100-80GB": [
-        ("1g.10gb", 19, 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.10gb+me", 20, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.20gb", 15, 1, 2, 4, (0, 2, 4, 6), 2),
-        ("2g.20gb", 14, 2, 2, 3, (0, 2, 4), 2),
-        ("3g.40gb", 9, 3, 4, 2, (0, 4), 4),
-        ("4g.40gb", 5, 4, 4, 1, (0,), 4),
-        ("7g.80gb", 0, 7, 8, 1, (0,), 8),
-    ],
-    "H200-141GB": [
-        ("1g.18gb", 19, 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.18gb+me", 20, 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 1),
-        ("1g.35gb", 15, 1, 2, 4, (0, 2, 4, 6), 2),
-        ("2g.35gb", 14, 2, 2, 3, (0, 2, 4), 2),
-        ("3g.71gb", 9, 3, 4, 2, (0, 4), 4),
-        ("4g.71gb", 5, 4, 4, 1, (0,), 4),
-        ("7g.141gb", 0, 7, 8, 1, (0,), 8),
-    ],
+    key: [(name, *shape) for name, shape in zip(names, SHAPES, strict=True)] for key, names in NAMES.items()
 }
 
 

@@ -91,11 +91,16 @@ def plan(
     """What to write, given the cgroup's devices.list (pure; see the module docstring).
     ``deny_access``: what a default-allow cgroup's deny lines take ("rw" on a pod's cgroup)."""
     denied_majors = policy.denied_majors(majors)
-    allowed_minors = policy.allowed_minors()
+    # Majors handled minor by minor: 195, and nvidia-caps for a container with MIG devices.
+    per_minor = {NVIDIA_MAJOR: (policy.allowed_minors(), 256)}
+    per_minor.update({m: (policy.cap_minors, policy.caps_bound()) for m in policy.per_minor_caps(majors)})
     if ALLOW_ALL in current:
-        deny = [DeviceRule("c", NVIDIA_MAJOR, m, deny_access) for m in range(256) if m not in allowed_minors]
-        if not allowed_minors:
-            deny = [DeviceRule("c", NVIDIA_MAJOR, None, deny_access)]
+        deny = []
+        for major, (allowed, bound) in sorted(per_minor.items()):
+            if not allowed:
+                deny.append(DeviceRule("c", major, None, deny_access))
+            else:
+                deny += [DeviceRule("c", major, m, deny_access) for m in range(bound) if m not in allowed]
         deny += [DeviceRule("c", major, None, deny_access) for major in sorted(denied_majors)]
         return V1Plan(default_allow=True, deny=tuple(deny))
     allow: list[DeviceRule] = []
@@ -110,15 +115,16 @@ def plan(
                     f"'{rule.line()}' grants every character device; it cannot be narrowed to "
                     "the allowed NVIDIA devices without affecting the others"
                 )
-        elif rule.major == NVIDIA_MAJOR:
+        elif rule.major in per_minor:
+            allowed = per_minor[rule.major][0]
             if rule.minor is None:
                 allow += [
-                    DeviceRule("c", NVIDIA_MAJOR, m, rule.access)
-                    for m in sorted(allowed_minors)
-                    if DeviceRule("c", NVIDIA_MAJOR, m, rule.access) not in current
+                    DeviceRule("c", rule.major, m, rule.access)
+                    for m in sorted(allowed)
+                    if DeviceRule("c", rule.major, m, rule.access) not in current
                 ]
                 deny.append(rule)
-            elif rule.minor not in allowed_minors:
+            elif rule.minor not in allowed:
                 deny.append(rule)
         elif rule.major in denied_majors:
             deny.append(rule)

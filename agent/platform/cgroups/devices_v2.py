@@ -37,9 +37,11 @@ DEFAULT_SOURCE = Path(__file__).resolve().parents[3] / "bpf" / "device_guard.c"
 PROG_NAME = "vcuda_devguard"  # the C function; also the kernel's name for the program
 # Flags and major classes, as #defined in bpf/device_guard.c.
 POLICY_HAS_GPU, POLICY_AUDIT = 1, 2
-MAJOR_UVM, MAJOR_CAPS, MAJOR_OTHER = 1, 2, 3
+MAJOR_UVM, MAJOR_CAPS, MAJOR_OTHER, MAJOR_MIG_CAPS = 1, 2, 3, 4
+MAX_CAPS = 16  # nvidia-caps minors one policy allows: two per MIG device (VCUDA_MAX_CAPS)
 # The maps' layouts in bpf/device_guard.c: policies u64 -> struct policy, majors u32 -> u32.
-POLICY_KEY, POLICY_VALUE = struct.Struct("=Q"), struct.Struct("=4QIIQ")  # gpu_minors, flags, pad, denied
+# struct policy: gpu_minors[4], flags, ncaps, caps[VCUDA_MAX_CAPS], denied.
+POLICY_KEY, POLICY_VALUE = struct.Struct("=Q"), struct.Struct(f"=4QII{MAX_CAPS}IQ")
 MAJOR_KEY, MAJOR_VALUE = struct.Struct("=I"), struct.Struct("=I")
 
 
@@ -55,6 +57,7 @@ def generate_source(template: str, limits: ProgramLimits) -> str:
         "// vcuda-agent device guard (BPF_PROG_TYPE_CGROUP_DEVICE)",
         f"#define VCUDA_MAX_POLICIES {limits.policies}",
         f"#define VCUDA_MAX_DEPTH {limits.depth}",
+        f"#define VCUDA_MAX_CAPS {MAX_CAPS}",
     ]
     return "\n".join(head) + "\n" + template
 
@@ -69,6 +72,19 @@ def dump_source(source_path: Path = DEFAULT_SOURCE, limits: ProgramLimits | None
             "the agent's bpf/ directory must be installed next to the package"
         ) from err
     return generate_source(template, limits or ProgramLimits())
+
+
+def policy_value(policy: DevicePolicy, audit: bool) -> bytes:
+    """A ``policies`` map value: the GPU minor bitmap, the flags, the nvidia-caps minors."""
+    if len(policy.cap_minors) > MAX_CAPS:
+        raise GuardError(
+            f"{len(policy.cap_minors)} nvidia-caps minors for one container; the device guard holds "
+            f"{MAX_CAPS} (two per MIG device)"
+        )
+    flags = (POLICY_HAS_GPU if policy.has_gpu else 0) | (POLICY_AUDIT if audit else 0)
+    caps = sorted(policy.cap_minors)
+    padded = caps + [0] * (MAX_CAPS - len(caps))
+    return POLICY_VALUE.pack(*gpu_minor_words(policy.gpu_minors or frozenset()), flags, len(caps), *padded, 0)
 
 
 def gpu_minor_words(minors: frozenset[int]) -> list[int]:
@@ -164,6 +180,7 @@ class BpfDeviceRules:
         wanted = {m: MAJOR_UVM for m in self._majors.uvm}
         wanted.update({m: MAJOR_OTHER for m in self._majors.other})
         wanted.update({m: MAJOR_CAPS for m in self._majors.caps})
+        wanted.update({m: MAJOR_MIG_CAPS for m in self._majors.mig_caps})
         try:
             # Add before removing, so a driver reload never opens a moment without the rule.
             for major, cls in wanted.items():
@@ -178,10 +195,9 @@ class BpfDeviceRules:
 
     def _write_policy(self, cgroup_id: int, policy: DevicePolicy, audit: bool) -> None:
         table = self._loaded()["policies"]
-        flags = (POLICY_HAS_GPU if policy.has_gpu else 0) | (POLICY_AUDIT if audit else 0)
-        words = gpu_minor_words(policy.gpu_minors or frozenset())
+        value = policy_value(policy, audit)  # denied counted from 0
         try:
-            table.update(POLICY_KEY.pack(cgroup_id), POLICY_VALUE.pack(*words, flags, 0, 0))  # denied from 0
+            table.update(POLICY_KEY.pack(cgroup_id), value)
         except syscall.BpfSyscallError as err:
             raise GuardError(
                 f"cannot store the device policy of cgroup id {cgroup_id} ({_describe(err)}); "

@@ -45,6 +45,7 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migcontrol import MigControl
 from agent.platform.gpu.migstate import MigInfo
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,10 @@ class GuardedBackend:
     def mig(self, index: int) -> MigInfo:
         inner = self.inner
         return self._call(self._worker(index).submit(CALL_MIG, lambda: inner.mig(index)))
+
+    def mig_control(self) -> MigControl:
+        """Straight through: MIG changes are rare, made by one loop that waits for them."""
+        return self.inner.mig_control()
 
     def set_memory_limit(self, index: int, cgroup: Path, limit_bytes: int | None) -> None:
         inner = self.inner

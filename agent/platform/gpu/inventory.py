@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from agent.platform.gpu.migcontrol import MigControl
 from agent.platform.gpu.migstate import MigInfo
 
 
@@ -186,6 +187,11 @@ class GpuBackend(Protocol):
     def mig(self, index: int) -> MigInfo:
         """The GPU's MIG mode (current and pending) and MIG devices, read-only; a GPU without
         MIG reports ``capable=False``."""
+        ...
+
+    def mig_control(self) -> MigControl:
+        """MIG mode and instance changes on the GPUs (``migcontrol``); errors are
+        ``MigChangeError``."""
         ...
 
     def mps_control_command(self) -> list[str]:

@@ -124,11 +124,12 @@ _FOUR = _starts((0,), 4)  # {0}:4
 _SEVEN = _starts((0,), 8)  # {0}:8
 
 
-def _product(
-    key: str, sm_count: int, *, names: Sequence[str], mib: Sequence[int], sms: Sequence[int], ce7: int
-) -> MigProduct:
+def _product(key: str, sm_count: int, mib: Sequence[int], sms: Sequence[int], ce7: int) -> MigProduct:
     """The seven profiles every product here has, in nvidia-smi's order: 1g, 1g+me, 1g with
-    two memory slices, 2g, 3g, 4g, 7g; ``names``, ``mib`` and ``sms`` in that order."""
+    two memory slices, 2g, 3g, 4g, 7g; ``mib`` and ``sms`` in that order. A profile's name
+    is its compute slices and its share of the product's memory in GB, rounded half up
+    (``<g>g.<gb>gb``, ``+me`` with the media engines: 1g.18gb, 1g.35gb, 3g.71gb of 141 GB)."""
+    total_gb = int(key.rpartition("-")[2].removesuffix("GB"))
     rows = (
         (GI_1_SLICE, 19, 1, 1, 7, _ONE, 1, False),
         (GI_1_SLICE_REV1, 20, 1, 1, 1, _ONE, 1, True),
@@ -139,44 +140,60 @@ def _product(
         (GI_7_SLICE, 0, 7, 8, 1, _SEVEN, ce7, False),
     )
     profiles = tuple(
-        GpuInstanceProfile(index, pid, name, slices, memory, size, sm, count, places, ce, media)
-        for (index, pid, slices, memory, count, places, ce, media), name, size, sm in zip(
-            rows, names, mib, sms, strict=True
+        GpuInstanceProfile(
+            index,
+            pid,
+            _name(slices, total_gb * memory, media),
+            slices,
+            memory,
+            size,
+            sm,
+            count,
+            places,
+            ce,
+            media,
+        )
+        for (index, pid, slices, memory, count, places, ce, media), size, sm in zip(
+            rows, mib, sms, strict=True
         )
     )
     return MigProduct(key, sm_count, profiles)
 
 
+def _name(slices: int, memory_gb_eighths: int, media: bool) -> str:
+    gb = (2 * memory_gb_eighths + MEMORY_SLICES) // (2 * MEMORY_SLICES)  # x/8 rounded half up
+    return f"{slices}g.{gb}gb" + ("+me" if media else "")
+
+
 _A100_SMS = (14, 14, 14, 28, 42, 56, 98)
 _HOPPER_SMS = (16, 16, 26, 32, 60, 64, 132)
+# Memory (MiB) and SMs of each profile, in _product's order; the copy engines of the 7g profile.
 PRODUCTS: tuple[MigProduct, ...] = (
-    _product(
-        "A100-40GB", 108,
-        names=("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
-        mib=(4864, 4864, 9984, 9984, 20096, 20096, 40448), sms=_A100_SMS, ce7=7,
-    ),
-    _product(
-        "A100-80GB", 108,
-        names=("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
-        mib=(9728, 9728, 19968, 19968, 40192, 40192, 80896), sms=_A100_SMS, ce7=7,
-    ),
-    _product(
-        "H100-80GB", 132,
-        names=("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
-        mib=(9984, 9984, 20096, 20096, 40448, 40448, 81152), sms=_HOPPER_SMS, ce7=8,
-    ),
-    _product(
-        "H200-141GB", 132,
-        names=("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
-        mib=(16384, 16384, 33280, 33280, 66560, 66560, 143360), sms=_HOPPER_SMS, ce7=8,
-    ),
-)  # fmt: skip
+    _product("A100-40GB", 108, (4864, 4864, 9984, 9984, 20096, 20096, 40448), _A100_SMS, 7),
+    _product("A100-80GB", 108, (9728, 9728, 19968, 19968, 40192, 40192, 80896), _A100_SMS, 7),
+    _product("H100-80GB", 132, (9984, 9984, 20096, 20096, 40448, 40448, 81152), _HOPPER_SMS, 8),
+    _product("H200-141GB", 132, (16384, 16384, 33280, 33280, 66560, 66560, 143360), _HOPPER_SMS, 8),
+)
 
 
 def product(key: str) -> MigProduct | None:
     """The MIG product ``A100-40GB``, ``H100-80GB``...; None when the GPU has no MIG."""
     wanted = key.strip().upper()
     return next((p for p in PRODUCTS if p.key == wanted), None)
+
+
+def product_for(model: str, memory_mib: int) -> MigProduct | None:
+    """The MIG product of a GPU as NVML names it ("NVIDIA H100 80GB HBM3", "NVIDIA
+    A100-SXM4-40GB", "NVIDIA H200") with its memory: the product of that family whose memory
+    is within 10 % of the GPU's; None for a GPU without MIG or of a variant not tabled here
+    (an H100 NVL's 94 GB)."""
+    name = model.upper()
+    for p in PRODUCTS:
+        family, _, size = p.key.partition("-")
+        nominal_mib = int(size.removesuffix("GB")) * 1024
+        if family in name and abs(memory_mib - nominal_mib) <= nominal_mib // 10:
+            return p
+    return None
 
 
 # Compute instances ------------------------------------------------------------------------
@@ -227,22 +244,26 @@ def remaining_capacity(
 def choose_placement(
     gpu: MigProduct, gi: GpuInstanceProfile, existing: Sequence[tuple[GpuInstanceProfile, Placement]]
 ) -> Placement | None:
-    """Where a GI created without a placement goes (``nvmlDeviceCreateGpuInstance``): the free
-    placement that leaves the most room for the GPU's other plain profiles (capacity left,
-    weighted by memory slices), the lowest start on a tie; None when none is free. NVIDIA
-    does not document the driver's choice; this rule reproduces the user guide's examples
-    (a first 2g at 4:2, a first 1g at 6:1, a first 3g at 4:4)."""
+    """Where a GI created without a placement goes (``nvmlDeviceCreateGpuInstance``): the first
+    of :func:`placements_by_preference`; None when none is free. NVIDIA does not document
+    the driver's choice; this rule reproduces the user guide's examples (a first 2g at 4:2,
+    a first 1g at 6:1, a first 3g at 4:4)."""
     if remaining_capacity(gi, existing) == 0:
         return None
-    best: tuple[int, int] | None = None
-    chosen = None
-    for place in free_placements(gi, (p for _, p in existing)):
+    return next(iter(placements_by_preference(gpu, gi, existing)), None)
+
+
+def placements_by_preference(
+    gpu: MigProduct, gi: GpuInstanceProfile, existing: Sequence[tuple[GpuInstanceProfile, Placement]]
+) -> list[Placement]:
+    """The profile's free placements, those that leave the most room for the GPU's other
+    plain profiles first (capacity left, weighted by memory slices), then by start."""
+
+    def room(place: Placement) -> int:
         after = [*existing, (gi, place)]
-        room = sum(remaining_capacity(p, after) * p.memory_slices for p in gpu.profiles if not p.media)
-        key = (room, -place.start)
-        if best is None or key > best:
-            best, chosen = key, place
-    return chosen
+        return sum(remaining_capacity(p, after) * p.memory_slices for p in gpu.profiles if not p.media)
+
+    return sorted(free_placements(gi, (p for _, p in existing)), key=lambda p: (-room(p), p.start))
 
 
 def gpu_instance_id(place: Placement, used: Iterable[int]) -> int | None:

@@ -25,7 +25,6 @@ from agent.errors import (
     NvmlError,
     PlatformError,
 )
-from agent.platform.driverfiles import LIBRARY_DIRS
 from agent.platform.gpu.inventory import (
     DeviceEvent,
     DeviceSample,
@@ -35,7 +34,9 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migcontrol import MigControl, pynvml_placement
 from agent.platform.gpu.migstate import MigInfo
+from agent.platform.gpu.nvml_library import init_hint, load_from_driver_root
 from agent.platform.gpu.nvml_limits import limits_support, mps_client_processes, set_cgroup_limit
 from agent.platform.gpu.nvml_mig import MIG_MINORS, read_mig, read_minors
 from agent.platform.gpu.nvml_topology import numa_node, read_topology, text
@@ -402,6 +403,10 @@ class NvmlBackend:
         with self._call(index):
             return read_mig(self._nvml, handle, index, self._gpus[index].minor, self._mig_minors)
 
+    def mig_control(self) -> MigControl:
+        """MIG mode and instance changes (``migcontrol``) through this backend's handles and errors."""
+        return MigControl(self._nvml, self._handle, self._call, pynvml_placement(self._nvml))
+
     # --- driver-native limits -----------------------------------------------------------
 
     def mps_control_command(self) -> list[str]:
@@ -437,50 +442,6 @@ class NvmlBackend:
                 log.warning("nvmlShutdown failed: %s", err)
 
 
-def _init_hint(nvml: ModuleType, code: int) -> str:
-    if code in (int(nvml.NVML_ERROR_LIBRARY_NOT_FOUND), int(nvml.NVML_ERROR_DRIVER_NOT_LOADED)):
-        return (
-            "no NVIDIA driver is visible to the agent. On a GPU node, install the NVIDIA driver "
-            "and make sure the container runtime exposes libnvidia-ml.so.1 and /dev/nvidia*; "
-            "on a node without GPUs, run the agent with --simulate"
-        )
-    if code == int(nvml.NVML_ERROR_NO_PERMISSION):
-        return "no permission to open /dev/nvidia*; run the agent with access to the GPU devices"
-    if code == int(nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH):
-        return (
-            "the NVML library and the loaded kernel driver differ in version (often after a "
-            "driver upgrade without reboot); reboot the node or reload the nvidia module"
-        )
-    return "NVML could not be initialized"
-
-
-NVML_LIBRARY = "libnvidia-ml.so.1"
-
-
-def find_nvml_library(driver_root: Path) -> Path | None:
-    """``libnvidia-ml.so.1`` under a driver root as this process sees it (e.g. the host's /
-    at /host in a pod under plain runc, where no runtime injected the library)."""
-    for directory in LIBRARY_DIRS:
-        candidate = driver_root / directory / NVML_LIBRARY
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _load_from_driver_root(nvml: ModuleType, driver_root: Path) -> bool:
-    """Point pynvml at the driver root's NVML (pynvml loads ``nvmlLib`` only while it is None)."""
-    library = find_nvml_library(driver_root)
-    if library is None or getattr(nvml, "nvmlLib", None) is not None:
-        return False
-    try:
-        setattr(nvml, "nvmlLib", ctypes.CDLL(str(library)))  # noqa: B010  (a module global of pynvml)
-    except OSError as err:
-        log.warning("cannot load %s: %s", library, err)
-        return False
-    log.info("NVML loaded from the driver root: %s", library)
-    return True
-
-
 def open_nvml_backend(
     nvml: ModuleType | None = None, sysfs_root: Path = Path("/sys"), driver_root: Path | None = None
 ) -> NvmlBackend:
@@ -501,12 +462,12 @@ def open_nvml_backend(
             nvml.nvmlInit()
         except nvml.NVMLError as err:
             missing = int(err.value) == int(nvml.NVML_ERROR_LIBRARY_NOT_FOUND)
-            if not (missing and driver_root is not None and _load_from_driver_root(nvml, driver_root)):
+            if not (missing and driver_root is not None and load_from_driver_root(nvml, driver_root)):
                 raise
             nvml.nvmlInit()
     except nvml.NVMLError as err:
         code = int(err.value)
-        raise NvmlError(code, f"{err}: {_init_hint(nvml, code)}") from err
+        raise NvmlError(code, f"{err}: {init_hint(nvml, code)}") from err
     try:
         return NvmlBackend(nvml, sysfs_root)
     except BaseException:

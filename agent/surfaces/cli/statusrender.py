@@ -112,7 +112,14 @@ def mig_lines(gpu: Mapping[str, Any]) -> list[str]:
         return []
     mode, pending = _text(mig.get("mode")), _text(mig.get("pending"))
     head = f"MIG {mode}" + (f" ({pending} after a GPU reset)" if pending != mode else "")
+    if mig.get("strategy"):
+        head += f", strategy {_text(mig.get('strategy'))}"
     rows = [head]
+    if mig.get("shares"):
+        rows.append(f"  no shares: {_text(mig.get('shares'))}")
+    geometry = _mapping(mig.get("geometry"))
+    if geometry:
+        rows.append(f"  geometry {_text(geometry.get('state'))}: {_text(geometry.get('reason'))}")
     for d in _mappings(mig.get("devices")):
         health = _text(d.get("health"))
         if d.get("healthReason"):

@@ -25,7 +25,7 @@ from agent.platform.kubelet.channel import API_VERSION, register_with_kubelet, u
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.settings import DevicePluginSettings
-from agent.surfaces.deviceplugin.service import DevicePluginService
+from agent.surfaces.deviceplugin.watch import WatchedPlugin
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,10 @@ class EndpointStatus:
 
 class PluginEndpoint:
     def __init__(
-        self, settings: DevicePluginSettings, service: DevicePluginService, max_workers: int = 8
+        self,
+        settings: DevicePluginSettings,
+        service: WatchedPlugin,
+        max_workers: int = 8,
     ) -> None:
         self._settings = settings
         self._service = service

@@ -10,10 +10,12 @@ Never PATH or LD_LIBRARY_PATH: driver files go where images already look
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.control.mpsgrants import MpsGrant
+from agent.domain.migoffer import OfferedDevice
 from agent.domain.requests import ResolvedRequest
 from agent.platform.driverfiles import DriverFiles
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
@@ -41,11 +43,7 @@ class ResponseBuilder:
             response.devices.extend(self._device_specs(request))
             # Also narrows the NVIDIA runtime, if installed, from an image's "all" to these GPUs.
             envs["NVIDIA_VISIBLE_DEVICES"] = uuids
-        if self.strategy is DeviceListStrategy.MOUNTS:
-            response.mounts.extend(
-                pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=True)
-                for m in self.driver.mounts
-            )
+        response.mounts.extend(self._driver_mounts())
         if mps is not None:
             envs.update(self._mps_envs(mps))
             response.mounts.extend(
@@ -72,8 +70,37 @@ class ResponseBuilder:
             envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mps.memory_mib}M"
         return envs
 
+    def build_mig(self, devices: Sequence[OfferedDevice]) -> pb.ContainerAllocateResponse:
+        """For whole MIG devices: their UUIDs (``MIG-...``) as CDI device names or in
+        NVIDIA_VISIBLE_DEVICES, and the device nodes a process needs to use them: nvidiactl
+        and UVM, the parent GPUs' ``/dev/nvidiaN``, and each device's GPU instance and
+        compute instance capability nodes (``/dev/nvidia-caps/nvidia-cap<minor>``)."""
+        uuids = ",".join(d.device.uuid for d in devices)
+        envs = {"VCUDA_MIG_DEVICES": uuids}
+        response = pb.ContainerAllocateResponse()
+        if self.strategy is DeviceListStrategy.CDI:
+            response.cdi_devices.extend(pb.CDIDevice(name=f"{CDI_KIND}={d.device.uuid}") for d in devices)
+        else:
+            parents = dict.fromkeys(d.gpu.device_path for d in devices)
+            caps = [path for d in devices for path in d.device.cap_devices]
+            response.devices.extend(self._specs([*CONTROL_DEVICES, *parents, *caps]))
+            envs["NVIDIA_VISIBLE_DEVICES"] = uuids
+        response.mounts.extend(self._driver_mounts())
+        response.envs.update(envs)
+        return response
+
+    def _driver_mounts(self) -> list[pb.Mount]:
+        if self.strategy is not DeviceListStrategy.MOUNTS:
+            return []
+        return [
+            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=True)
+            for m in self.driver.mounts
+        ]
+
     def _device_specs(self, request: ResolvedRequest) -> list[pb.DeviceSpec]:
-        paths = [*CONTROL_DEVICES, *(g.device_path for g in request.gpus)]
+        return self._specs([*CONTROL_DEVICES, *(g.device_path for g in request.gpus)])
+
+    def _specs(self, paths: Sequence[str]) -> list[pb.DeviceSpec]:
         return [
             pb.DeviceSpec(container_path=p, host_path=str(self.dev_root / p.lstrip("/")), permissions="rw")
             for p in paths

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 import grpc
@@ -26,15 +25,17 @@ from agent.errors import (
 )
 from agent.platform.gpu.inventory import GpuInfo, Topology
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
-from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
+from agent.surfaces.deviceplugin.watch import Wait, WatchedPlugin
 
 log = logging.getLogger(__name__)
 
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 
 
-class DevicePluginService(pb_grpc.DevicePluginServicer):
+class DevicePluginService(WatchedPlugin):
+    resource = "nvidia.com/vcuda-core"
+
     def __init__(
         self,
         gpus: Sequence[GpuInfo],
@@ -52,14 +53,20 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self.allocations: Allocations | None = None
         self.recovery: LedgerRecovery | None = None
         self.mps: MpsSharing | None = None  # MPS limits for shares (sharing mode mps/auto)
+        # GPUs that offer no shares, and why (in MIG mode: control/migoffers.py); a change
+        # touches the health board, which wakes ListAndWatch.
+        self.withheld: Callable[[], Mapping[int, str]] = dict
 
     def options(self) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
     def device_list(self) -> tuple[int, pb.ListAndWatchResponse]:
         version, health = self._board.snapshot()
+        withheld = self.withheld()
         devices: list[pb.Device] = []
         for gpu in self._gpus:
+            if gpu.index in withheld:
+                continue
             state = HEALTHY if health[gpu.index].healthy else UNHEALTHY
             topology = None
             if gpu.numa_node is not None:
@@ -68,30 +75,10 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             devices.extend(pb.Device(ID=i, health=state, topology=topology) for i in ids)
         return version, pb.ListAndWatchResponse(devices=devices)
 
-    # DevicePlugin RPCs -------------------------------------------------------
-    def GetDevicePluginOptions(
-        self, request: pb.Empty, context: grpc.ServicerContext
-    ) -> pb.DevicePluginOptions:
-        return self.options()
+    def changes(self) -> tuple[Wait, Callable[[], None]]:
+        return self._board.wait_for_change, self._board.wake_all
 
-    def ListAndWatch(
-        self, request: pb.Empty, context: grpc.ServicerContext
-    ) -> Iterator[pb.ListAndWatchResponse]:
-        ended = threading.Event()
-
-        def on_end() -> None:
-            ended.set()
-            self._board.wake_all()
-
-        context.add_callback(on_end)
-        version, response = self.device_list()
-        yield response
-        while not ended.is_set() and context.is_active():
-            new_version = self._board.wait_for_change(version, 5.0, abort=ended)
-            if new_version != version and not ended.is_set():
-                version, response = self.device_list()
-                log.info("ListAndWatch: sending %d devices after a health change", len(response.devices))
-                yield response
+    # DevicePlugin RPCs (options and ListAndWatch: WatchedPlugin) --------------
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -167,7 +154,11 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
 
     def _check_healthy(self, item: ResolvedRequest) -> None:
         _, health = self._board.snapshot()
+        withheld = self.withheld()
         for gpu in item.gpus:
+            if gpu.index in withheld:
+                why = withheld[gpu.index]
+                raise GpuUnhealthyError(f"GPU {gpu.index} ({gpu.uuid}) offers no vcuda-core: {why}")
             state = health[gpu.index]
             if not state.healthy:
                 raise GpuUnhealthyError(f"GPU {gpu.index} ({gpu.uuid}) is Unhealthy: {state.reason}")

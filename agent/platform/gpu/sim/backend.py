@@ -21,7 +21,6 @@ import fcntl
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -45,9 +44,11 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migcontrol import MigControl
 from agent.platform.gpu.migstate import MigDevice, MigInfo
-from agent.platform.gpu.sim.client import Connection, NodeClient
+from agent.platform.gpu.sim.client import NodeClient, server_accepts, server_answers
 from agent.platform.gpu.sim.inventory import sim_gpus, sim_topology
+from agent.platform.gpu.sim.migclient import SimNvml
 from agent.platform.gpu.sim.nodefile import SimNode, SimNodeDir, pid_alive
 from agent.platform.gpu.sim.nvmllib import process_utilization
 from agent.platform.gpu.sim.perfmon import RING_SAMPLES, Sample
@@ -109,6 +110,7 @@ class SimulatedBackend:
         self._lost: set[int] = set()
         self._hangs: dict[int, tuple[str, float]] = {}  # GPU -> (NVML call or *, monotonic end)
         self._polled = float("-inf")
+        self._nvml: SimNvml | None = None  # MIG writes (mig_control), opened at the first
 
     # Start-up ------------------------------------------------------------------------------
     def _claim(self) -> int:
@@ -148,9 +150,9 @@ class SimulatedBackend:
                 node: SimNode | None = self.root.read_node()
             except SimulationError:
                 node = None
-            if node is not None and pid_alive(node.server_pid) and _answers(self.root):
+            if node is not None and pid_alive(node.server_pid) and server_answers(self.root.socket):
                 return node
-            if not _accepts(self.root) or time.monotonic() >= deadline:
+            if not server_accepts(self.root.socket) or time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
 
@@ -171,7 +173,7 @@ class SimulatedBackend:
                 )
             with contextlib.suppress(SimulationError):
                 node = self.root.read_node()
-                if node.server_pid == self._server.pid and _answers(self.root):
+                if node.server_pid == self._server.pid and server_answers(self.root.socket):
                     log.info(
                         "simulated GPUs: started the GPU server (pid %d) at %s",
                         node.server_pid,
@@ -272,6 +274,13 @@ class SimulatedBackend:
         except (KeyError, TypeError) as err:
             raise SimulationError(f"malformed MIG state of GPU {index}: {err}") from err
 
+    def mig_control(self) -> MigControl:
+        """MIG changes through the GPU server's NVML calls (one client, for one caller at a time)."""
+        with self._lock:
+            if self._nvml is None:
+                self._nvml = SimNvml(self.root.socket)
+            return MigControl(self._nvml, lambda index: index, lambda _index: contextlib.nullcontext())
+
     def mps_control_command(self) -> list[str]:
         """The simulator's stand-in for ``nvidia-cuda-mps-control -f``."""
         return [
@@ -308,6 +317,8 @@ class SimulatedBackend:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._nvml is not None:
+            self._nvml.close()
         self._poller.close()
         self._events.close()
         self._release()
@@ -386,31 +397,6 @@ def _tail(kept: collections.deque[_Stamped], since_us: int) -> list[_Stamped]:
     newer = list(itertools.takewhile(lambda s: s.timestamp_us > since_us, reversed(kept)))
     newer.reverse()
     return newer
-
-
-def _accepts(root: SimNodeDir) -> bool:
-    """Whether a server listens on the node's socket (it may not answer yet)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(root.socket))
-        except OSError:
-            return False
-    return True
-
-
-def _answers(root: SimNodeDir) -> bool:
-    try:
-        conn = Connection(root.socket, timeout_s=2.0)
-    except SimulationError:
-        return False
-    try:
-        conn.call({"op": "node"})
-        return True
-    except (SimulationError, TimeoutError):
-        return False
-    finally:
-        conn.close()
 
 
 def _event(raw: dict[str, Any]) -> DeviceEvent | None:

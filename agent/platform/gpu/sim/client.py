@@ -228,3 +228,29 @@ def post_event(
         client.post_event(gpu, kind, xid, detail, gpu_instance=gpu_instance)
     finally:
         client.close()
+
+
+def server_accepts(socket_path: Path) -> bool:
+    """Whether a GPU server listens on ``socket_path`` (it may not answer yet)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(socket_path))
+        except OSError:
+            return False
+    return True
+
+
+def server_answers(socket_path: Path) -> bool:
+    """Whether the GPU server on ``socket_path`` answers a request."""
+    try:
+        conn = Connection(socket_path, timeout_s=2.0)
+    except SimulationError:
+        return False
+    try:
+        conn.call({"op": "node"})
+        return True
+    except (SimulationError, TimeoutError):
+        return False
+    finally:
+        conn.close()

@@ -12,8 +12,10 @@ per-GPU-instance SM activity (``NVML_GPM_METRIC_SM_UTIL`` between two samples).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from agent.errors import NvmlError, SimulationError
@@ -45,59 +47,13 @@ class MigDeviceHandle:
 
 
 @dataclass(frozen=True)
-class GpuInstanceProfileInfo:
-    """``nvmlGpuInstanceProfileInfo_v2_t``'s fields (those the simulator knows)."""
-
-    id: int
-    isP2pSupported: int
-    sliceCount: int
-    instanceCount: int
-    multiprocessorCount: int
-    copyEngineCount: int
-    memorySizeMB: int
-    name: str
-
-
-@dataclass(frozen=True)
-class ComputeInstanceProfileInfo:
-    id: int
-    sliceCount: int
-    instanceCount: int
-    multiprocessorCount: int
-    name: str
-
-
-@dataclass(frozen=True)
-class GpuInstanceInfo:
-    device: int
-    id: int
-    profileId: int
-    placement: Placement
-
-
-@dataclass(frozen=True)
-class ComputeInstanceInfo:
-    device: int
-    gpuInstance: int
-    id: int
-    profileId: int
-    placement: Placement
-
-
-@dataclass(frozen=True)
-class MemoryInfo:
-    total: int
-    used: int
-    free: int
-
-
-@dataclass(frozen=True)
 class GpmSample:
     timestamp: float  # wall seconds
     sm_busy_s: float  # SM-busy seconds of the GPU instance so far
 
 
 Device = int | MigDeviceHandle
+Struct = SimpleNamespace  # an NVML structure (``c_nvmlGpuInstanceInfo_t``...): pynvml's field names
 
 
 def gpm_sm_util(first: GpmSample, second: GpmSample) -> float:
@@ -106,6 +62,13 @@ def gpm_sm_util(first: GpmSample, second: GpmSample) -> float:
     if span <= 0:
         raise ValueError("GPM samples must be taken in order, some time apart")
     return max(0.0, min(100.0, 100 * (second.sm_busy_s - first.sm_busy_s) / span))
+
+
+def _handle_field(name: str) -> Callable[[object], Any]:
+    def read(device: object) -> Any:
+        return getattr(_mig(device), name)
+
+    return read
 
 
 class SimNvml:
@@ -134,6 +97,13 @@ class SimNvml:
             raise NvmlError(code, f"{call}: {error}", gpu)
         raise SimulationError(f"{call} on GPU {gpu}: {error}")
 
+    def _on_gi(self, call: str, gpuInstance: GpuInstanceHandle, **fields: Any) -> dict[str, Any]:
+        return self._call(call, gpuInstance.gpu, gi=gpuInstance.id, **fields)
+
+    def _new_ci(self, call: str, gpuInstance: GpuInstanceHandle, **fields: Any) -> ComputeInstanceHandle:
+        ci = self._on_gi(call, gpuInstance, **fields)["ci"]
+        return ComputeInstanceHandle(gpuInstance.gpu, gpuInstance.id, int(ci["id"]))
+
     # Mode ---------------------------------------------------------------------------------
     def nvmlDeviceGetMigMode(self, device: int) -> list[int]:
         reply = self._call("nvmlDeviceGetMigMode", device)
@@ -144,9 +114,9 @@ class SimNvml:
         return int(self._call("nvmlDeviceSetMigMode", device, mode=mode)["activation"])
 
     # GPU instances ------------------------------------------------------------------------
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, device: int, profile: int) -> GpuInstanceProfileInfo:
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, device: int, profile: int) -> Struct:
         info = self._call("nvmlDeviceGetGpuInstanceProfileInfo", device, profile=profile)["info"]
-        return GpuInstanceProfileInfo(**info)
+        return Struct(**info)
 
     def nvmlDeviceGetGpuInstancePossiblePlacements(self, device: int, profileId: int) -> list[Placement]:
         reply = self._call("nvmlDeviceGetGpuInstancePossiblePlacements", device, profile_id=profileId)
@@ -179,74 +149,52 @@ class SimNvml:
         reply = self._call("nvmlDeviceGetGpuInstanceById", device, gi=gpuInstanceId)
         return GpuInstanceHandle(device, int(reply["gi"]["id"]))
 
-    def nvmlGpuInstanceGetInfo(self, gpuInstance: GpuInstanceHandle) -> GpuInstanceInfo:
-        gi = self._call("nvmlDeviceGetGpuInstanceById", gpuInstance.gpu, gi=gpuInstance.id)["gi"]
-        return GpuInstanceInfo(gi["device"], gi["id"], gi["profileId"], Placement(*gi["placement"]))
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: GpuInstanceHandle) -> Struct:
+        gi = self._on_gi("nvmlDeviceGetGpuInstanceById", gpuInstance)["gi"]
+        return Struct(**{**gi, "placement": Placement(*gi["placement"])})
 
     def nvmlGpuInstanceDestroy(self, gpuInstance: GpuInstanceHandle) -> None:
-        self._call("nvmlGpuInstanceDestroy", gpuInstance.gpu, gi=gpuInstance.id)
+        self._on_gi("nvmlGpuInstanceDestroy", gpuInstance)
 
     # Compute instances --------------------------------------------------------------------
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(
         self, gpuInstance: GpuInstanceHandle, profile: int, engProfile: int = 0
-    ) -> ComputeInstanceProfileInfo:
-        reply = self._call(
-            "nvmlGpuInstanceGetComputeInstanceProfileInfo",
-            gpuInstance.gpu,
-            gi=gpuInstance.id,
-            profile=profile,
-            eng_profile=engProfile,
-        )
-        return ComputeInstanceProfileInfo(**reply["info"])
+    ) -> Struct:
+        call = "nvmlGpuInstanceGetComputeInstanceProfileInfo"
+        return Struct(**self._on_gi(call, gpuInstance, profile=profile, eng_profile=engProfile)["info"])
 
     def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
         self, gpuInstance: GpuInstanceHandle, profileId: int
     ) -> int:
-        reply = self._call(
-            "nvmlGpuInstanceGetComputeInstanceRemainingCapacity",
-            gpuInstance.gpu,
-            gi=gpuInstance.id,
-            profile_id=profileId,
-        )
-        return int(reply["count"])
+        call = "nvmlGpuInstanceGetComputeInstanceRemainingCapacity"
+        return int(self._on_gi(call, gpuInstance, profile_id=profileId)["count"])
 
     def nvmlGpuInstanceCreateComputeInstance(
         self, gpuInstance: GpuInstanceHandle, profileId: int
     ) -> ComputeInstanceHandle:
-        reply = self._call(
-            "nvmlGpuInstanceCreateComputeInstance", gpuInstance.gpu, gi=gpuInstance.id, profile_id=profileId
-        )
-        return ComputeInstanceHandle(gpuInstance.gpu, gpuInstance.id, int(reply["ci"]["id"]))
+        return self._new_ci("nvmlGpuInstanceCreateComputeInstance", gpuInstance, profile_id=profileId)
 
     def nvmlGpuInstanceCreateComputeInstanceWithPlacement(
         self, gpuInstance: GpuInstanceHandle, profileId: int, placement: Placement
     ) -> ComputeInstanceHandle:
-        reply = self._call(
-            "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
-            gpuInstance.gpu,
-            gi=gpuInstance.id,
-            profile_id=profileId,
-            placement=[placement.start, placement.size],
-        )
-        return ComputeInstanceHandle(gpuInstance.gpu, gpuInstance.id, int(reply["ci"]["id"]))
+        call, where = "nvmlGpuInstanceCreateComputeInstanceWithPlacement", [placement.start, placement.size]
+        return self._new_ci(call, gpuInstance, profile_id=profileId, placement=where)
 
     def nvmlGpuInstanceGetComputeInstances(
         self, gpuInstance: GpuInstanceHandle, profileId: int
     ) -> list[ComputeInstanceHandle]:
-        reply = self._call(
-            "nvmlGpuInstanceGetComputeInstances", gpuInstance.gpu, gi=gpuInstance.id, profile_id=profileId
-        )
+        reply = self._on_gi("nvmlGpuInstanceGetComputeInstances", gpuInstance, profile_id=profileId)
         return [ComputeInstanceHandle(gpuInstance.gpu, gpuInstance.id, int(c["id"])) for c in reply["cis"]]
 
-    def nvmlComputeInstanceGetInfo(self, computeInstance: ComputeInstanceHandle) -> ComputeInstanceInfo:
-        ci = self._call(
-            "nvmlGpuInstanceGetComputeInstanceById",
-            computeInstance.gpu,
-            gi=computeInstance.gi,
-            ci=computeInstance.id,
-        )["ci"]
-        placement = Placement(*ci["placement"])
-        return ComputeInstanceInfo(ci["device"], ci["gpuInstance"], ci["id"], ci["profileId"], placement)
+    def nvmlGpuInstanceGetComputeInstanceById(
+        self, gpuInstance: GpuInstanceHandle, id: int
+    ) -> ComputeInstanceHandle:
+        return self._new_ci("nvmlGpuInstanceGetComputeInstanceById", gpuInstance, ci=id)
+
+    def nvmlComputeInstanceGetInfo(self, computeInstance: ComputeInstanceHandle) -> Struct:
+        gi = GpuInstanceHandle(computeInstance.gpu, computeInstance.gi)
+        ci = self._on_gi("nvmlGpuInstanceGetComputeInstanceById", gi, ci=computeInstance.id)["ci"]
+        return Struct(**{**ci, "placement": Placement(*ci["placement"])})
 
     def nvmlComputeInstanceDestroy(self, computeInstance: ComputeInstanceHandle) -> None:
         self._call(
@@ -265,26 +213,16 @@ class SimNvml:
     def nvmlDeviceIsMigDeviceHandle(device: Device) -> bool:
         return isinstance(device, MigDeviceHandle)
 
-    @staticmethod
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: MigDeviceHandle) -> int:
-        return _mig(migDevice).gpu
+    # What pynvml reads off a MIG device handle (its parent GPU, GI and CI ids, its UUID).
+    nvmlDeviceGetDeviceHandleFromMigDeviceHandle = staticmethod(_handle_field("gpu"))
+    nvmlDeviceGetGpuInstanceId = staticmethod(_handle_field("gi"))
+    nvmlDeviceGetComputeInstanceId = staticmethod(_handle_field("ci"))
+    nvmlDeviceGetUUID = staticmethod(_handle_field("uuid"))
 
-    @staticmethod
-    def nvmlDeviceGetGpuInstanceId(device: MigDeviceHandle) -> int:
-        return _mig(device).gi
-
-    @staticmethod
-    def nvmlDeviceGetComputeInstanceId(device: MigDeviceHandle) -> int:
-        return _mig(device).ci
-
-    @staticmethod
-    def nvmlDeviceGetUUID(device: MigDeviceHandle) -> str:
-        return _mig(device).uuid
-
-    def nvmlDeviceGetMemoryInfo(self, device: MigDeviceHandle) -> MemoryInfo:
+    def nvmlDeviceGetMemoryInfo(self, device: MigDeviceHandle) -> Struct:
         mig = _mig(device)
         reply = self._call("nvmlDeviceGetMemoryInfo", mig.gpu, uuid=mig.uuid)
-        return MemoryInfo(int(reply["total"]), int(reply["used"]), int(reply["free"]))
+        return Struct(total=int(reply["total"]), used=int(reply["used"]), free=int(reply["free"]))
 
     # Utilization --------------------------------------------------------------------------
     def nvmlDeviceGetUtilizationRates(self, device: Device) -> int:
