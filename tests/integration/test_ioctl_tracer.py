@@ -1,6 +1,6 @@
 """The ioctl tracer on this kernel: real tracepoints, real processes in real cgroup v2 groups.
 
-Child processes issue NVIDIA-shaped ioctls (crafted NVOS structs) on /dev/null, which
+Child processes make NVIDIA-shaped ioctls (crafted NVOS structs) on /dev/null, which
 answers -ENOTTY; the tracer must attribute exactly what each child did to that child's
 (cgroup id, pid) and nothing to anyone else. The maps are updated before the syscall
 returns, so a child's "done" line is all the synchronisation needed.
