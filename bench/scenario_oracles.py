@@ -80,7 +80,11 @@ class TurnsOracle(TurnsController):
                 account.settle(end, work.get(key, 0.0), settings)
 
         meter._attribute = attribute  # type: ignore[method-assign]
-        meter._apply_credits = lambda _data: None  # type: ignore[method-assign]  # the truth needs none
+
+        def no_corrections(data: GpuTurnsData) -> None:
+            """The truth needs no credits' corrections."""
+
+        meter._apply_credits = no_corrections  # type: ignore[method-assign]
 
 
 class BucketsController:

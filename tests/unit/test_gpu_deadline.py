@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.errors import DeviceSamplesUnsupportedError, GpuError, GpuHungError, NvmlError
+from agent.errors import DeviceSamplesUnsupportedError, GpuError, GpuHungError, MigChangeError, NvmlError
 from agent.platform.gpu import guarded as guarded_module
 from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import (
@@ -27,6 +27,8 @@ from agent.platform.gpu.inventory import (
     ProcessSample,
     Topology,
 )
+from agent.platform.gpu.migcontrol import MigControl
+from agent.platform.gpu.migstate import NOT_CAPABLE, MigInfo
 from agent.platform.gpu.nvml import open_nvml_backend
 from tests.fakes.fake_nvml import FakeGpu, FakeNvml
 
@@ -103,6 +105,12 @@ class HeldBackend:
 
     def mps_control_command(self) -> list[str]:
         return []
+
+    def mig(self, index: int) -> MigInfo:
+        return NOT_CAPABLE
+
+    def mig_control(self) -> MigControl:
+        raise MigChangeError("no MIG on this backend")
 
     def memory_limits_support(self) -> str | None:
         return None
