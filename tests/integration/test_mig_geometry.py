@@ -6,8 +6,7 @@ logged once and posted as a node Event."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,9 @@ from agent.domain.migconfig import MigConfig, MigStrategy
 from agent.platform.gpu.sim.backend import SimulatedBackend
 from agent.platform.gpu.sim.client import ContextClient, NodeClient
 from agent.platform.kube.pods import PodInfo
+from tests.integration.kubeapi import wait_until
 
 SPEC = "2xH100-80GB,1xT4-16GB"
-
-
-def wait_until(check: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.02)
 
 
 class Events:
@@ -110,7 +102,7 @@ def test_refused_while_processes_use_the_gpu(rig: Rig) -> None:
         assert rig.events.posted[-1][0] == "MIGGeometryWaiting" and rig.events.posted[-1][2]
     finally:
         ctx.close()
-    wait_until(lambda: not rig.backend.process_memory(0), "the context gone")  # the server sees EOF
+    wait_until(lambda: not rig.backend.process_memory(0), what="the context gone")  # the server sees EOF
     assert rig.geometry.apply_once()
     assert rig.state() is GeometryState.PENDING
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from agent.platform.gpu.nvmlcodes import (
 from agent.platform.gpu.sim.backend import SimulatedBackend
 from agent.platform.gpu.sim.client import ContextClient, NodeClient, post_event
 from agent.platform.gpu.sim.migclient import SimNvml, gpm_sm_util
+from tests.integration.kubeapi import wait_until
 
 SPEC = "2xH100-80GB,1xT4-16GB"  # GPU 0 in MIG mode (2g.20gb at 4:2, 3g.40gb at 0:4), GPU 1 not
 H100_SMS = 132
@@ -49,16 +49,6 @@ def backend(short_dir: Path) -> Iterator[SimulatedBackend]:
 def nvml(backend: SimulatedBackend) -> Iterator[SimNvml]:
     with SimNvml(backend.root.socket) as client:
         yield client
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
 def code_of(call: Callable[..., Any], *args: Any) -> int:
@@ -143,12 +133,14 @@ def test_nvml_calls_and_their_errors_over_the_socket(backend: SimulatedBackend, 
 
     proc = workload(backend, 0, "--mig", small.uuid, "--pattern", "burn")
     try:
-        wait_until(lambda: device_contexts(backend, small.uuid), "the workload's context on the 1g device")
+        wait_until(
+            lambda: device_contexts(backend, small.uuid), what="the workload's context on the 1g device"
+        )
         assert code_of(nvml.nvmlComputeInstanceDestroy, ci) == NVML_ERROR_IN_USE  # a process uses it
         assert code_of(nvml.nvmlDeviceSetMigMode, 0, 0) == NVML_ERROR_IN_USE
     finally:
         stop(proc)
-    wait_until(lambda: not device_contexts(backend, small.uuid), "the context gone with the process")
+    wait_until(lambda: not device_contexts(backend, small.uuid), what="the context gone with the process")
     assert code_of(nvml.nvmlGpuInstanceDestroy, gi) == NVML_ERROR_IN_USE  # its CI is still there
     nvml.nvmlComputeInstanceDestroy(ci)
     nvml.nvmlGpuInstanceDestroy(gi)
@@ -163,11 +155,11 @@ def test_a_mode_change_waits_for_a_gpu_reset(backend: SimulatedBackend, nvml: Si
     proc = workload(backend, 1, "--pattern", "burn")  # the GPU still runs whole-GPU contexts
     client = NodeClient(backend.root.socket)
     try:
-        wait_until(lambda: backend.process_memory(1) or _has_context(client, 1), "a context on GPU 1")
+        wait_until(lambda: backend.process_memory(1) or _has_context(client, 1), what="a context on GPU 1")
         with pytest.raises(SimulationError, match="cannot reset"):
             client.gpu_reset(1)  # a process uses it
         stop(proc)
-        wait_until(lambda: not _has_context(client, 1), "the context gone")
+        wait_until(lambda: not _has_context(client, 1), what="the context gone")
         assert client.gpu_reset(1) == {"ok": True, "current": 1, "pending": 1}
         assert nvml.nvmlDeviceGetMigMode(1) == [1, 1]
         with pytest.raises(SimulationError, match="MIG mode"):
@@ -189,10 +181,10 @@ def test_a_2g_instance_gets_at_most_its_share_beside_a_busy_neighbour(backend: S
     try:
         wait_until(
             lambda: device_contexts(backend, two.uuid) and device_contexts(backend, three.uuid),
-            "both workloads' contexts",
+            what="both workloads' contexts",
         )
         first = mig_truth(backend)
-        wait_until(lambda: mig_truth(backend)["monotonic"] - first["monotonic"] >= 1.0, "a second")
+        wait_until(lambda: mig_truth(backend)["monotonic"] - first["monotonic"] >= 1.0, what="a second")
         second = mig_truth(backend)
     finally:
         stop(neighbour)
@@ -241,7 +233,7 @@ def test_an_xid_on_an_instance_marks_that_instance(backend: SimulatedBackend) ->
         with pytest.raises(SimulationError, match="no GPU instance 9"):
             post_event(backend.root.root, 0, EventKind.XID.value, 48, gpu_instance=9)
         post_event(backend.root.root, 0, EventKind.XID.value, 48, "ecc", gpu_instance=5)
-        wait_until(lambda: (0, 5) in board.unhealthy_instances(), "GI 5 Unhealthy")
+        wait_until(lambda: (0, 5) in board.unhealthy_instances(), what="GI 5 Unhealthy")
         assert board.is_healthy(0)  # the GPU and its other instance are fine
         assert list(board.unhealthy_instances()) == [(0, 5)]
     finally:
