@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Reversible, Sequence
 from dataclasses import dataclass, field
 
@@ -73,9 +74,7 @@ class GpuTurnsData:
     candidates: collections.deque[tuple[float, frozenset[str]]] = field(
         default_factory=collections.deque
     )  # (end, who could have run in the period)
-    observed: collections.deque[tuple[float, str, float]] = field(
-        default_factory=lambda: collections.deque(maxlen=4096)
-    )  # credits not yet applied: (instant, key, percent)
+    credits_applied_to: float = -math.inf  # the credits up to this instant corrected the split
 
     def typical_period(self) -> float:
         """The device sample period: the median of the recent gaps between samples."""
@@ -180,7 +179,6 @@ class TurnMeter:
             key = self._key(s.pid)
             if key is not None and s.sm_util > 0:
                 data.credits.append((s.timestamp_us / 1e6 - offset, key, float(s.sm_util)))
-                data.observed.append((s.timestamp_us / 1e6 - offset, key, float(s.sm_util)))
         horizon = self._clock.monotonic() - HISTORY_S
         while data.credits and data.credits[0][0] < horizon:
             data.credits.popleft()
@@ -234,9 +232,9 @@ class TurnMeter:
             return
         period = data.typical_period()
         window = data.book.window_s(period)
-        due: list[tuple[float, str, float]] = []
-        while data.observed and data.observed[0][0] <= end + 1e-6:
-            due.append(data.observed.popleft())
+        due = [c for c in reversed(_tail(data.credits, data.credits_applied_to)) if c[0] <= end + 1e-6]
+        if due:
+            data.credits_applied_to = due[-1][0]
         for at, group in itertools.groupby(due, key=lambda o: o[0]):
             if at < end - HISTORY_S / 2:
                 continue
