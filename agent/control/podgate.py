@@ -119,7 +119,8 @@ class PodGate:
         """The pods gated before exemptions could be told, judged again once they can."""
         if not self._provisional or self._settled is None or not self._settled():
             return
-        pending, self._provisional = self._provisional, set()
+        with self._lock:
+            pending, self._provisional = self._provisional, set()
         for pod_dir in pending:
             if pod_dir.is_dir():
                 self.gate(pod_dir)
