@@ -75,7 +75,7 @@ PODS = (
         {POLICY: "fixed-share"},
         busy=0.1,
         workload_mib=800,
-        grow=("--grow-to-mib", "1500", "--grow-after", "8"),
+        grow=("--grow-to-mib", "1500", "--grow-after", "4"),  # early: a held, frozen process cannot grow
     ),
     PodPlan("burst-40", 40, {POLICY: "burst-share"}, busy=0.75, workload_mib=900),  # alone: up to 75 %
 )
