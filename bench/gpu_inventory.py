@@ -1,7 +1,7 @@
 """What bench/gpu_suite.py records about the machine before it measures anything
-(``inventory.json``): the GPU and driver, which NVML calls the driver's library has and
-which of them answer on GPU 0, one raw answer of each per-process and device sampling call,
-MPS, cgroups, BPF, Python and PyTorch.
+(``inventory.json``): the GPU and driver, each GPU's MIG support (read only: gpu_mig.py),
+which NVML calls the driver's library has and which of them answer on GPU 0, one raw answer
+of each per-process and device sampling call, MPS, cgroups, BPF, Python and PyTorch.
 
 Every fact is read on its own and a failure is written down as the fact ("error: ..."): an
 inventory of a machine that lacks half of this is still the inventory. No NVIDIA driver
@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from gpu_mig import mig_facts
 
 CGROUP = Path("/sys/fs/cgroup")
 GPU_UTILIZATION_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES, should the binding lack the name
@@ -317,6 +319,7 @@ def nvml_inventory(nvml: ModuleType) -> dict[str, Any]:
                 "uuid": _guard(lambda h=handle: text(nvml.nvmlDeviceGetUUID(h))),
                 "memory_mib": _guard(lambda h=handle: int(nvml.nvmlDeviceGetMemoryInfo(h).total) >> 20),
                 "compute_mode": _guard(lambda h=handle: int(nvml.nvmlDeviceGetComputeMode(h))),
+                "mig": _guard(mig_facts, nvml, handle),  # read only: never a mode change or an instance
             }
         )
     handle = nvml.nvmlDeviceGetHandleByIndex(0)

@@ -1,8 +1,8 @@
 """Every Grafana panel's PromQL through a real Prometheus scraping a running `vcuda-agent demo`:
 Debian's prometheus on loopback (1 s scrapes, a throw-away TSDB) scrapes the demo's live act
-(a 2-GPU simulated node with real containers under enforcement), and each query, with the
-template variables filled in as Grafana would (All, then the values the variable queries
-offer), must return series carrying every label its legend or table uses."""
+(a 4-GPU simulated node with real containers under enforcement, GPU 3 in MIG mode), and each
+query, with the template variables filled in as Grafana would (All, then the values the
+variable queries offer), must return series carrying every label its legend or table uses."""
 
 from __future__ import annotations
 

@@ -94,6 +94,15 @@ def test_the_live_table_runs_for_its_duration_and_shows_every_pod(short_dir: Pat
     ):
         assert f"│{pod}" in text, f"no table row for {pod}:\n{text[-3000:]}"
     assert "killed pid" in text, "the pod over its memory quota was not shown killed"
+    # GPU 3 in MIG mode: a row per instance, and the 2g's throughput unchanged by its
+    # deep-queue 3g neighbour (the simulated GPU's own accounting: at most 32 of 132 SMs).
+    for pod, profile in (("mig-2g-steady", "2g.20gb"), ("mig-3g-deep", "3g.40gb")):
+        assert re.search(rf"│{pod} +│ {re.escape(profile)} +│ GI \d+ at \d:\d", text), f"no MIG row for {pod}"
+    comparison = r"2g\.20gb throughput ([\d.]+) % of the GPU alone, ([\d.]+) % beside the deep-queue"
+    found = re.findall(comparison, text)
+    assert found, f"no MIG throughput comparison:\n{text[-3000:]}"
+    alone, beside = map(float, found[-1])
+    assert abs(alone - beside) <= 3.0 and beside <= 100 * 32 / 132 + 0.5, found[-1]
     assert "watchdog thawed all of them" in text or "watchdog step skipped" in text
     assert not _cgroup_root(out).exists()
     assert not _processes_mentioning(str(short_dir / "w"))

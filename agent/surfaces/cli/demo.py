@@ -38,6 +38,7 @@ EXAMPLE_PODS = Path(__file__).with_name("demo_pods.yaml")
 
 def main(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vcuda-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # --workdir may name a directory not made yet
     # The first Ctrl-C (or SIGTERM) unwinds through every clean-up; later ones must not cut it short.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt_once)

@@ -9,8 +9,10 @@ The story: GPU 0 is shared by the example pod ``cuda-share-50`` (a training loop
 that grows past its memory quota and is killed; GPU 1 runs a burst-share pod alone (it
 borrows the idle GPU) until a fixed-share neighbour arrives and it is brought back to its
 request. GPU 2 is served through DRA: a claim for 30 cores and 4 GiB is published, allocated,
-prepared and held at 30 % (demo_dra.py). An ignored XID 13 shows in the metrics. Then the
-agent is SIGKILLed while it throttles and the watchdog thaws every container."""
+prepared and held at 30 % (demo_dra.py). GPU 3 is in MIG mode: a pod on its 2g.20gb instance
+keeps its throughput when a neighbour queues deep work on the 3g.40gb one (demo_mig.py). An
+ignored XID 13 shows in the metrics. Then the agent is SIGKILLed while it throttles and the
+watchdog thaws every container."""
 
 from __future__ import annotations
 
@@ -33,6 +35,21 @@ from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
 from agent.platform.gpu.sim.client import post_event
 from agent.surfaces.cli.demo_dra import CLAIM_CORES, CLAIM_MIB, CLAIM_POD, dra_kubelet, start_claim
+from agent.surfaces.cli.demo_mig import (
+    DEEP,
+    DEEP_AT_S,
+    GPU_ARGS,
+    MIN_ALONE_S,
+    SPEC,
+    STEADY,
+    MigMeter,
+    MigStory,
+    Reading,
+    mig_agent_args,
+    mig_table,
+    read,
+    start_mig_pod,
+)
 from agent.surfaces.cli.demo_table import PodRow, gpu_line, pod_table
 from agent.surfaces.statusclient import fetch_status
 
@@ -97,19 +114,31 @@ def run(workdir: Path, duration: float | None, metrics_address: str, console: Co
     logging.getLogger("agent.emulators").setLevel(logging.WARNING)  # the table tells the story
     workdir.mkdir(parents=True, exist_ok=True)
     with dra_kubelet(workdir) as (dirs, kubelet):
-        agent_args = ("--metrics-address", metrics_address, *dirs.agent_args())
-        with enforced_node(workdir, "3xH100-80GB", agent_args=agent_args) as node:
+        agent_args = ("--metrics-address", metrics_address, *dirs.agent_args(), *mig_agent_args(workdir))
+        with enforced_node(workdir, SPEC, gpu_args=GPU_ARGS, agent_args=agent_args) as node:
             url = wait_for(lambda: _metrics_url(node), 10, "the agent's metrics address")
             console.print(f"metrics: {url}  (Prometheus can scrape it; `vcuda-agent status` works too)")
             console.print(f"status: vcuda-agent status --socket {node.state_dir / 'status.sock'}")
             console.print(f"cgroups: {node.cgroup_root}")
             started = time.monotonic()  # t = 0 of the table and of --duration
-            pods = [_start(node, plan, console) for plan in PODS]
-            claimed = start_claim(node, kubelet, dirs, console)
-            pods.append(
-                Tracked(CLAIM_PLAN, claimed.box, node.gpu_seconds([claimed.box])[0], time.monotonic())
-            )
-            LiveAct(node, pods, duration, console, started).run()
+            meter = MigMeter(node)
+            try:
+                story = MigStory()
+                steady = start_mig_pod(node, STEADY)  # first: the longest time alone
+                story.add(steady, meter)
+                first = read(meter, steady)
+                console.print(f"admitted pod {STEADY.name} ({STEADY.resource}: 1) on {steady.uuid}")
+                deep_at = max(DEEP_AT_S, time.monotonic() - started + MIN_ALONE_S)
+                pods = [_start(node, plan, console) for plan in PODS]
+                claimed = start_claim(node, kubelet, dirs, console)
+                pods.append(
+                    Tracked(CLAIM_PLAN, claimed.box, node.gpu_seconds([claimed.box])[0], time.monotonic())
+                )
+                act = LiveAct(node, pods, duration, console, started)
+                act.add_mig(meter, story, first, deep_at)
+                act.run()  # its last table ends with the MIG comparison
+            finally:
+                meter.close()
             _crash(node, [p.box for p in pods], console)
 
 
@@ -155,6 +184,21 @@ class LiveAct:
             (XID_AT_S, self._xid),
             (NEIGHBOUR_AT_S, self._neighbour),
         ]
+        self.mig: tuple[MigMeter, MigStory] | None = None
+
+    def add_mig(self, meter: MigMeter, story: MigStory, first: Reading, deep_at: float) -> None:
+        """The MIG rows, and the deep-queue tenant's arrival at ``deep_at``."""
+        self.mig = (meter, story)
+
+        def deep() -> None:
+            story.mark_alone(meter, first)
+            story.add(start_mig_pod(self.node, DEEP), meter)
+            story.mark_beside(meter)
+            self.console.print(
+                f"  -> {DEEP.name} keeps a full queue of 50 ms kernels on the {DEEP.profile} instance"
+            )
+
+        self.steps = sorted([*self.steps, (deep_at, deep)], key=lambda step: step[0])
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -200,6 +244,10 @@ class LiveAct:
             else:
                 self.console.print(line)
         parts: list[Any] = [pod_table(title, status, rows), Text(gpu_line(status), style="dim")]
+        if self.mig is not None:
+            meter, story = self.mig
+            story.refresh(meter)
+            parts += [mig_table(story.rows, status), Text(story.comparison(meter), style="dim")]
         return Group(*parts, *(Text(line) for line in self.events))
 
     def _real(self) -> list[float | None]:

@@ -117,6 +117,10 @@ def gpu_line(status: Mapping[str, Any]) -> str:
     """``GPU 0 98% used, 100/100 cores allocated | GPU 1 ...``"""
     parts = []
     for gpu in status.get("gpus") or []:
+        if (gpu.get("mig") or {}).get("mode") == "enabled":
+            devices = len((gpu.get("mig") or {}).get("devices") or [])
+            parts.append(f"GPU {gpu.get('index')} MIG mode, {devices} instances, {gpu.get('health', '?')}")
+            continue
         parts.append(
             f"GPU {gpu.get('index')} {_fmt(gpu.get('utilizationPercent'), suffix='%')} used, "
             f"{gpu.get('coresAllocated', '-')}/100 cores allocated, {gpu.get('health', '?')}"

@@ -27,9 +27,10 @@ emulated kubelet (the real device plugin and pod-resources APIs) admits the exam
 shows what it published and annotated, survives a GPU fault, a kubelet restart and its own
 crash, and stops on SIGTERM.
 
-Then, live: a 2-GPU node whose pods run as real processes in real container cgroups, with
-a table refreshed every second showing each pod's use against its cap, its memory, its
-duty cycle and the agent's actions, for ``--duration`` seconds (default: until Ctrl-C on a
+Then, live: a 4-GPU node (GPU 3 in MIG mode with two instances) whose pods run as real
+processes in real container cgroups, with a table refreshed every second showing each pod's
+use against its cap, its memory, its duty cycle and the agent's actions, and each MIG
+instance's pod and throughput, for ``--duration`` seconds (default: until Ctrl-C on a
 terminal, 30 s otherwise). Ctrl-C at any point stops everything and leaves no process,
 cgroup or frozen workload behind."""
 
@@ -69,7 +70,7 @@ def add_demo_parser(
     p = sub.add_parser(
         "demo",
         parents=[common],
-        help="a simulated 2-GPU node with an emulated kubelet admitting example pods",
+        help="simulated GPU nodes (shares, DRA, MIG) with an emulated kubelet admitting example pods",
         description=DEMO_DESCRIPTION,
     )
     p.add_argument(
