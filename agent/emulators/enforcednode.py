@@ -70,6 +70,23 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def frozen_then_thawed(cgroup: Path, timeout_s: float, what: str) -> None:
+    """Wait until ``cgroup`` is seen frozen and then thawed again: held by the agent's freezes
+    (in turns or duty cycles), not frozen for good."""
+    wait_for(lambda: frozen(cgroup), timeout_s, f"{what} frozen")
+    wait_for(lambda: not frozen(cgroup), timeout_s, f"{what} thawed again")
+
+
+def never_frozen(cgroup: Path, seconds: float) -> bool:
+    """Whether ``cgroup`` stays unfrozen over the next ``seconds`` (polled every 10 ms)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if frozen(cgroup):
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def pod_manifest(
     name: str,
     cores: int,

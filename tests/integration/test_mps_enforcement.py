@@ -5,6 +5,11 @@ processes as MPS clients within those limits. A gpu_burn-like queue, which freez
 hold (test_enforcement.py), is held here. Also: the daemon killed and restarted, a missing
 daemon binary (the freezer holds the shares), and driver memory limits (an allocation over
 the quota fails; nothing is killed).
+
+What a loaded 2-core host cannot break is asserted here: the limits handed out, who holds
+each share (status), who is frozen and thawed, and throughputs only where the GPU server's
+own MPS limits bound them. How accurately each share is held is asserted in virtual time, on
+the same scenarios: tests/unit/test_shares_virtual.py.
 """
 
 from __future__ import annotations
@@ -13,23 +18,30 @@ import os
 import re
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent.emulators.enforcednode import EnforcedNode, enforced_node, pod_manifest, wait_for
+from agent.emulators.enforcednode import (
+    EnforcedNode,
+    enforced_node,
+    frozen_then_thawed,
+    pod_manifest,
+    wait_for,
+)
+from agent.platform.gpu.mpspartition import effective_share
 from agent.surfaces.statusclient import fetch_status
 from tests.integration.cgroup_trees import real_layout
 from tests.integration.mpstenants import start_tenant
 
 pytestmark = pytest.mark.privileged
 
-SETTLE_S = 3.0
 TENANT_UID = 1000
-MEASURE_S = 10.0
+MEASURE_S = 3.0
+HELD_S = 30.0  # the longest a share is given to be seen held on a loaded host
+SMS = 132  # the simulated H100's SMs: MPS limits are whole TPCs of them
 AGENT = ("--device-guard", "off", "--no-ioctl-tracing", "--mps-advisory-limits")
 
 
@@ -57,10 +69,10 @@ def test_burn_is_held_by_mps_limits_handed_out_at_allocate(mps_node: EnforcedNod
     mounts = {m.container_path: m.host_path for m in mps_node.responses["small"].mounts}
     pipe = Path(mounts[envs["CUDA_MPS_PIPE_DIRECTORY"]])
     assert (pipe / "control").exists()  # the GPU's daemon serves that pipe directory
-    time.sleep(SETTLE_S)
     used_small, used_large = mps_node.utilization([small, large], MEASURE_S)
-    assert used_small == pytest.approx(30, abs=3), f"small: {used_small:.1f}%"
-    assert used_large == pytest.approx(60, abs=3), f"large: {used_large:.1f}%"
+    # The GPU server runs each client within its limit, however loaded the host: the 30's
+    # burn gets at most its 38 SMs (time-sliced, two burns would get half the GPU each).
+    assert 0 < used_small <= effective_share(29, SMS) * 100 + 3 < used_large, (used_small, used_large)
     gpu = status(mps_node)["gpus"][0]
     assert gpu["sharing"] == "mps" and gpu["mpsDaemon"]["state"] == "running"
     held = wait_for(lambda: len(rows(mps_node)) == 2 and rows(mps_node), 10, "both pods in status")
@@ -104,13 +116,14 @@ def test_by_default_a_tenant_that_lifts_its_own_mps_limit_is_held_by_the_freezer
         gpu = status(node)["gpus"][0]
         assert gpu["sharing"] == "freezer" and "advisory" in gpu["sharingReason"], gpu
         assert gpu["mpsDaemon"] is None or gpu["mpsDaemon"]["state"] == "stopped"
-        time.sleep(SETTLE_S + 5)  # the 40 and 50 yield to the 10's turns, then get turns of their own
-        used = node.utilization([cheat, fixed50, fixed40], MEASURE_S)
-        # The bound: the tenant at no more than its grant + 3 pp, not 33 %. A booked
-        # GPU loses a few percent to turns, the 10 included (docs/benchmarks.md: -4 to -5 pp
-        # here; CI measured the 10 at 8.0 and, with the suite beside it, the 40 at 32.0).
-        assert 10 - 4 <= used[0] <= 10 + 3, used
-        assert used[1] >= 50 - 9 and used[2] >= 40 - 9, used
+        # Held by the freezer at its grant (10 %, not the 33 % it takes unheld beside the two):
+        # frozen and thawed for its turns. The figures: test_shares_virtual.py.
+        held = wait_for(
+            lambda: (r := rows(node).get("cheat")) and r["throttled"] and r, HELD_S, "the 10 held"
+        )
+        assert (held["targetPercent"], held["computeHeldBy"]) == (10, "freezer"), held
+        frozen_then_thawed(cheat.cgroup, HELD_S, "the tenant that lifted its limit")
+        assert all(b.proc.poll() is None for b in (cheat, fixed50, fixed40))
         assert re.search(
             r'^vcuda_mps_limits_advisory\{gpu="0",node="sim-node",uuid="GPU-[^"]+"\} 0\.0$',
             node.metrics(),
@@ -142,10 +155,12 @@ def test_on_an_mps_v3_driver_the_tenant_that_lifts_its_env_stays_at_its_grant(sh
         assert gpu["sharing"] == "mps" and "(enforceable)" in gpu["sharingReason"], gpu
         assert "MPS v3 namespaces: yes" in gpu["sharingReason"]
         assert "unverified on hardware" in gpu["sharingReason"]
-        time.sleep(SETTLE_S)
         used = node.utilization([cheat, fixed50, fixed40], MEASURE_S)
-        assert used[0] == pytest.approx(9.1, abs=2), used  # 12 of 132 SMs: whole TPCs within 10 %
-        assert used[1] >= 50 - 3 and used[2] >= 40 - 3, used
+        # Its namespace's 12 of 132 SMs (whole TPCs within 10 %) bound it in the GPU server,
+        # whatever its env says and however loaded the host; the others' figures (and the 10's
+        # exactly): test_shares_virtual.py.
+        assert 0 < used[0] <= effective_share(10, SMS) * 100 + 3, used
+        assert used[1] > 0 and used[2] > 0, used
         assert re.search(
             r'^vcuda_mps_limits_advisory\{gpu="0",node="sim-node",uuid="GPU-[^"]+"\} 0\.0$',
             node.metrics(),

@@ -64,7 +64,16 @@ class Rig:
         self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
         self.specs: list[EnforcementSpec] = []
         self.stats: dict[str, WorkloadStats] = {}
-        self.enforcer = Enforcer(
+        self._gains, self._feedback, self._untrusted = gains, feedback, untrusted
+        self.enforcer = self._new_enforcer()
+        self.start = self.clock.monotonic()
+        self._times: list[float] = []
+        self._ran: list[dict[str, float]] = []
+        self.actions: list[tuple[str, str, str]] = []
+        self.enforcer.on_action.append(lambda *action: self.actions.append(action))
+
+    def _new_enforcer(self) -> Enforcer:
+        return Enforcer(
             gpus=[0],
             samples=self.gpu,
             specs=lambda: self.specs,
@@ -72,15 +81,22 @@ class Rig:
             locate=lambda s: ThrottleTarget(s.container_id, None, None),
             actuator=self.gpu,
             period_s=PERIOD,
-            gains=gains,
-            feedback=feedback,
-            untrusted=untrusted,
+            gains=self._gains,
+            feedback=self._feedback,
+            untrusted=self._untrusted,
             clock=self.clock,
         )
-        self.start = self.clock.monotonic()
-        self._times: list[float] = []
-        self._ran: list[dict[str, float]] = []
-        self.actions: list[tuple[str, str, str]] = []
+
+    def restart(self, down_s: float) -> None:
+        """The agent SIGKILLed and started again: the watchdog thaws everything at once, the
+        containers run unthrottled for ``down_s``, then a new enforcer starts from nothing
+        (no turns, drains or accounts of the old one)."""
+        self.gpu.release_all()
+        end = self.clock.monotonic() + down_s
+        while self.clock.monotonic() < end - 1e-9:
+            self.clock.sleep(min(PERIOD, end - self.clock.monotonic()))
+            self._record()
+        self.enforcer = self._new_enforcer()
         self.enforcer.on_action.append(lambda *action: self.actions.append(action))
 
     def add(self, name: str, pattern: PatternSpec, item: EnforcementSpec) -> None:

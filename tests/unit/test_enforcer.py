@@ -18,7 +18,7 @@ from tests.unit.enforcer_plant import PERIOD, Rig, spec
 TRAIN = PatternSpec("train")
 
 
-@pytest.mark.parametrize("cap", [30, 50, 80])
+@pytest.mark.parametrize("cap", [30, 40, 50, 60, 80])
 def test_fixed_share_holds_its_cap_on_training_steps(cap: int) -> None:
     rig = Rig()
     rig.add("a", TRAIN, spec("a", cap))
