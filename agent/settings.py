@@ -22,10 +22,13 @@ DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock
 DEFAULT_BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # the C sources (repo or image path)
 DEFAULT_METRICS_PORT = 5678  # gpu-manager's port; 9400 stays free for dcgm-exporter
 DEFAULT_STATE_DIR = Path("/run/vcuda-agent")  # freeze journal, status socket (a hostPath in the DaemonSet)
+DRA_MIG_RECONCILE_S = 10.0  # dynamic MIG: strays destroyed, MIG mode enabled (control/dramiggrants.py)
 MIG_GEOMETRY_RETRY_S = 10.0  # a MIG geometry not applied yet (processes, a reset pending) is tried again
 MIG_OFFER_POLL_S = 0.5  # the MIG device plugins look at the MIG state and the config this often
 MIG_HOLDINGS_TTL_S = 1.0  # the device guard re-reads which container holds which MIG device after this
 MIG_REFRESH_S = 5.0  # how often the MIG inventory (modes, MIG devices) is read again (control/migwatch.py)
+MIG_SHARES_RECONCILE_S = 1.0  # isolated shares: instances of gone pods destroyed, MIG mode enabled
+MIG_SHARES_CHECKPOINT = "mig-shares.json"  # in --state-dir: which MIG instance serves which share
 
 
 class DeviceListStrategy(enum.StrEnum):

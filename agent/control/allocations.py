@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from agent.control.annotator import Annotator
 from agent.control.kubeports import EventSink, PodSource
+from agent.domain.annotations import AnnotationError, wants_isolation
 from agent.domain.ids import IdTable
 from agent.domain.ledger import Assignment, Ledger
 from agent.domain.matching import Candidate, ProfileCache, candidates_in, match, placement_annotations, steer
@@ -59,6 +60,9 @@ class Allocations:
         self._profiles = ProfileCache(node_name)
         self._answers: OrderedDict[frozenset[str], Assignment] = OrderedDict()  # guarded by _lock
         self.on_assigned: list[PodListener] = []
+        # GPUs that serve hardware-isolated shares only (mig.onDemand, in MIG mode): a pod
+        # annotated for isolation is steered to them, any other pod away (control/migshares.py).
+        self.isolated_gpus: Callable[[], frozenset[int]] = frozenset
         self.allocations = 0
         self.refusals = 0
 
@@ -67,6 +71,7 @@ class Allocations:
         """Steer to the extender's GPU, or to a GPU whose ledger has room for the best
         candidate's memory; otherwise the plain placement."""
         best = self._best(size) or self._await_best(size)
+        available = self._by_isolation(best, available)
         target = steer(best)
         if target is None and best is not None and not is_whole(size):
             target = self._roomy_gpus(best, available)
@@ -81,6 +86,22 @@ class Allocations:
             except VcudaError as err:
                 log.info("GetPreferredAllocation: cannot steer to GPU %s (%s); plain placement", target, err)
         return self._placer.preferred(available, must_include, size)
+
+    def _by_isolation(self, best: Candidate | None, available: Sequence[str]) -> Sequence[str]:
+        """The IDs on GPUs of the kind the pod asks for (isolated or not), when there are any."""
+        isolated = self.isolated_gpus()
+        if best is None or not isolated:
+            return available
+        try:
+            wanted = wants_isolation(best.pod.annotations)
+        except AnnotationError:
+            return available  # Allocate refuses it, with why
+        kept = [
+            d
+            for d, (gpu, _) in zip(available, self._table.locate_all(available), strict=True)
+            if (gpu in isolated) == wanted
+        ]
+        return kept or available
 
     def _roomy_gpus(self, candidate: Candidate, available: Sequence[str]) -> tuple[int, ...]:
         need = candidate.memory_mib or 0
@@ -150,6 +171,16 @@ class Allocations:
         with self._lock:
             if self._answers.get(item.device_ids) is item:
                 del self._answers[item.device_ids]
+
+    def pod_of(self, item: Assignment) -> PodInfo | None:
+        """The pod an assignment was made for, as the pod cache has it."""
+        return self._pods.get(item.pod_uid) or self._pods.find(item.namespace, item.pod)
+
+    def pod_event(self, item: Assignment, reason: str, message: str) -> None:
+        """A Warning Event on the assignment's pod."""
+        pod = self.pod_of(item)
+        if pod is not None:
+            self._events.pod(pod, reason, message)
 
     # PreStartContainer --------------------------------------------------------------
     def check_start(self, device_ids: Sequence[str], owner: tuple[str, str, str] | None) -> None:

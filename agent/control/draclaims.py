@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.domain.dra import ClaimRef, ClaimShare, PreparedClaim, PreparedDevice
+from agent.domain.dra import ClaimRef, ClaimShare, PreparedClaim, PreparedDevice, PreparedMig
 from agent.errors import PlatformError
 from agent.platform.atomicfile import remove, write_atomic
 
@@ -151,8 +151,25 @@ def _claim_json(claim: PreparedClaim) -> dict[str, Any]:
                 "share_id": s.share_id,
                 "policy": s.policy,
                 "limit": s.limit,
+                "isolation": s.isolation,
             }
             for s in claim.shares
+        ],
+        "mig": [
+            {
+                "request": m.request,
+                "device": m.device,
+                "gpu_index": m.gpu_index,
+                "gpu_minor": m.gpu_minor,
+                "gi": m.gi,
+                "ci": m.ci,
+                "uuid": m.uuid,
+                "profile": m.profile,
+                "start": m.start,
+                "size": m.size,
+                "cap_minors": list(m.cap_minors),
+            }
+            for m in claim.mig
         ],
         "devices": [
             {"requests": list(d.requests), "pool": d.pool, "device": d.device, "cdi_ids": list(d.cdi_ids)}
@@ -174,8 +191,25 @@ def _claim_from(raw: Any) -> PreparedClaim:
             share_id=_str(s["share_id"]),
             policy=None if s["policy"] is None else _str(s["policy"]),
             limit=None if s["limit"] is None else _int(s["limit"]),
+            isolation=None if s.get("isolation") is None else _str(s["isolation"]),
         )
         for s in raw["shares"]
+    )
+    migs = tuple(
+        PreparedMig(
+            request=_str(m["request"]),
+            device=_str(m["device"]),
+            gpu_index=_int(m["gpu_index"]),
+            gpu_minor=_int(m["gpu_minor"]),
+            gi=_int(m["gi"]),
+            ci=_int(m["ci"]),
+            uuid=_str(m["uuid"]),
+            profile=_str(m["profile"]),
+            start=_int(m["start"]),
+            size=_int(m["size"]),
+            cap_minors=tuple(_int(c) for c in m["cap_minors"]),
+        )
+        for m in raw.get("mig") or ()
     )
     devices = tuple(
         PreparedDevice(
@@ -188,7 +222,7 @@ def _claim_from(raw: Any) -> PreparedClaim:
     )
     if len(devices) != len(shares):
         raise ValueError(f"claim {ref.key}: {len(shares)} shares but {len(devices)} devices")
-    return PreparedClaim(ref, shares, devices)
+    return PreparedClaim(ref, shares, devices, migs)
 
 
 def _str(value: Any) -> str:

@@ -12,7 +12,9 @@ charges them only their part (``Assignment.charge``), so the caps of such a clai
 containers add up to at most one core per container more than the claim (a stated limit: a
 cap cannot be below 1 core). A claim prepared for a pod whose containers have not been seen yet waits until
 the pod cache shows them. The claim's ShareConfig (policy, limit) travels with the entries;
-the node's bounds apply to it as to annotations (a claim is tenant input too).
+the node's bounds apply to it as to annotations (a claim is tenant input too). A share that a
+MIG instance serves (dynamic MIG) has no entry: the hardware holds it, and the device guard
+allows its users that instance (agent/control/dramiggrants.py).
 
 Entries are keyed (pod uid, container) like the device plugin's, with the claim's CDI
 device IDs as their device IDs, so the PreStart and rebuild paths (which work on
@@ -28,7 +30,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from agent.control.kubeports import PodSource
-from agent.domain.dra import ClaimRef, ClaimShare
+from agent.domain.dra import ClaimRef, ClaimShare, PreparedMig
 from agent.domain.ledger import Assignment, Ledger
 from agent.errors import VcudaError
 from agent.platform.kube.pods import PodInfo
@@ -43,6 +45,9 @@ class PreparedClaimLike(Protocol):
 
     @property
     def shares(self) -> Sequence[ClaimShare]: ...
+
+    @property
+    def mig(self) -> Sequence[PreparedMig]: ...
 
 
 class PreparedClaimSource(Protocol):
@@ -85,7 +90,10 @@ def claim_entries(claims: Sequence[PreparedClaimLike], pods: Sequence[PodInfo]) 
         users = by_claim.get((claim.ref.namespace, claim.ref.name), [])
         if not users:
             continue
+        on_mig = {(m.request, m.device) for m in claim.mig}
         for share in claim.shares:
+            if (share.request, share.device) in on_mig:
+                continue
             cores = split(share.cores, len(users))
             memory = split(share.memory_mib, len(users))
             for (pod, container, init), c, m in zip(users, cores, memory, strict=True):

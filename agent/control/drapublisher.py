@@ -1,11 +1,13 @@
 """Publishes this node's GPUs as the DRA driver's ResourceSlice and keeps it right.
 
-The slice's content comes from agent/domain/draslice.py: one shareable device per healthy GPU.
-A pass lists this node's slices of the driver, deletes any that are not ours (a renamed or
-leftover slice would split the pool), and creates or replaces ours when its devices differ,
-with ``spec.pool.generation`` above every generation seen: consumers use only a pool's highest
-generation, so a change that kept the number would go unnoticed. A slice that is already
-right is not written.
+The slice's content comes from agent/domain/draslice.py: one shareable device per healthy GPU;
+with dynamic MIG also the GPUs' placement devices and counter sets, in several slices of one
+pool. A pass lists this node's slices of the driver, deletes any that are not ours (a renamed or
+leftover slice would split the pool), and creates or replaces ours when their contents differ,
+all with one ``spec.pool.generation`` above every generation seen: consumers use only a pool's
+highest generation, so a change that kept the number would go unnoticed (and a pool whose
+slices at that generation are fewer than ``resourceSliceCount`` is not used until all are
+written). Slices that are already right are not written.
 
 What triggers a pass: start; a GPU health change (the board wakes the loop at once, so an
 unhealthy GPU leaves the slice within well under a second); a new deviceMemoryScaling (within
@@ -29,23 +31,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agent.clock import Clock, SystemClock
 from agent.control.retrylog import RetryLog
 from agent.domain.draslice import (
+    SliceContent,
     build_slice,
+    desired_counters,
     desired_devices,
     is_current,
     is_owned,
+    pool_contents,
     pool_generation,
     slice_name,
 )
 from agent.domain.health import HealthBoard
 from agent.errors import KubeError
 from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.gpu.migprofiles import MigProduct
 from agent.platform.kube.resourceslices import ResourceSliceClient
 
 log = logging.getLogger(__name__)
@@ -84,7 +90,12 @@ class SlicePublisher:
         poll_s: float = 0.2,
         delete_on_stop: bool = True,
         node_uid: Callable[[], str] | None = None,
+        dynamic: Callable[[], Mapping[int, MigProduct]] | None = None,
     ) -> None:
+        """``dynamic``: the GPUs on dynamic MIG that are ready for it (MIG mode on), and their
+        MIG product; looked at every ``poll_s``."""
+        self._dynamic = dynamic or dict
+        self._seen_dynamic: Mapping[int, MigProduct] = {}
         self._slices = slices
         self._gpus = tuple(sorted(gpus, key=lambda g: g.index))
         self._board = board
@@ -150,14 +161,16 @@ class SlicePublisher:
         # What the pass is based on is taken first, so a change during the pass wakes the next.
         self._seen_board, health = self._board.snapshot()
         self._seen_scaling = self._scaling()
+        self._seen_dynamic = dict(self._dynamic())
         devices = desired_devices(
             self._gpus,
             {index: state.healthy for index, state in health.items()},
             self._seen_scaling,
             self._driver_version,
+            self._seen_dynamic,
         )
         try:
-            self._publish(devices)
+            self._publish(pool_contents(self._node, devices, desired_counters(devices)))
         except KubeError as err:
             self._failed(err)
             return False
@@ -165,53 +178,69 @@ class SlicePublisher:
         return True
 
     def withdraw(self) -> bool:
-        """Delete our slice (clean shutdown); False when the API failed (logged)."""
+        """Delete our slices (clean shutdown); False when the API failed (logged)."""
         try:
-            deleted = self._slices.delete(self._name)
+            names = {str((s.get("metadata") or {}).get("name")) for s in self._slices.list()} | {self._name}
+            for name in sorted(names):
+                if self._slices.delete(name):
+                    with self._lock:
+                        self._stats.deletes += 1
+                    log.info("node %s: ResourceSlice %s deleted", self._node, name)
         except KubeError as err:
             log.warning("node %s: cannot delete ResourceSlice %s: %s", self._node, self._name, err)
             return False
-        if deleted:
-            with self._lock:
-                self._stats.deletes += 1
-            log.info("node %s: ResourceSlice %s deleted", self._node, self._name)
         return True
 
-    def _publish(self, devices: list[dict[str, Any]]) -> None:
+    def _publish(self, contents: list[SliceContent]) -> None:
         current = self._slices.list()
         self._generation = max([self._generation, *(pool_generation(s) for s in current)])
-        ours = None
+        wanted = {c.name for c in contents}
+        ours: dict[str, dict[str, Any]] = {}
         for obj in current:
             meta = obj.get("metadata") or {}
-            if meta.get("name") == self._name:
-                ours = obj
+            if meta.get("name") in wanted:
+                ours[str(meta["name"])] = obj
                 continue
-            # Another slice of this driver on this node: left by an older agent or a renamed
-            # node. Two slices with resourceSliceCount 1 would make the pool inconsistent.
+            # Another slice of this driver on this node: left by an older agent, a renamed node
+            # or a pool that had more slices. It would make the pool inconsistent.
             if self._slices.delete(str(meta.get("name")), meta.get("resourceVersion")):
                 log.info("node %s: stale ResourceSlice %s deleted", self._node, meta.get("name"))
                 with self._lock:
                     self._stats.deletes += 1
-        uid = self._owner_uid(fresh=ours is None)
-        if ours is not None and is_current(ours, self._node, devices):
-            if is_owned(ours, self._node, uid):
-                self._record(pool_generation(ours), len(devices), wrote=False)
+        uid = self._owner_uid(fresh=self._name not in ours)
+        count, devices = len(contents), sum(len(c.devices) for c in contents)
+        generations = {pool_generation(o) for o in ours.values()}
+        same = (
+            len(ours) == count
+            and len(generations) == 1
+            and all(is_current(ours[c.name], self._node, c.devices, content=c, count=count) for c in contents)
+        )
+        if same:
+            if all(is_owned(o, self._node, uid) for o in ours.values()):
+                self._record(generations.pop(), devices, wrote=False)
                 return
-            generation = pool_generation(ours)  # only the owner changes: same pool contents
+            generation = generations.pop()  # only the owner changes: same pool contents
         else:
             generation = self._generation + 1
-        if ours is None:
-            self._slices.create(build_slice(self._node, devices, generation, node_uid=uid))
-        else:
-            rv = (ours.get("metadata") or {}).get("resourceVersion")
-            self._slices.replace(build_slice(self._node, devices, generation, rv, node_uid=uid))
+        for content in contents:
+            existing = ours.get(content.name)
+            if existing is None:
+                self._slices.create(
+                    build_slice(self._node, (), generation, node_uid=uid, content=content, count=count)
+                )
+                continue
+            rv = (existing.get("metadata") or {}).get("resourceVersion")
+            self._slices.replace(
+                build_slice(self._node, (), generation, rv, node_uid=uid, content=content, count=count)
+            )
         self._generation = max(self._generation, generation)
-        self._record(generation, len(devices), wrote=True)
+        self._record(generation, devices, wrote=True)
         log.info(
-            "node %s: ResourceSlice %s published: %d device(s), pool generation %d",
+            "node %s: ResourceSlice %s published: %d device(s) in %d slice(s), pool generation %d",
             self._node,
             self._name,
-            len(devices),
+            devices,
+            count,
             generation,
         )
 
@@ -247,6 +276,8 @@ class SlicePublisher:
             # bounds how late ``stop`` and a new scaling are noticed.
             version = self._board.wait_for_change(self._seen_board, min(remaining, self._poll_s), self._wake)
             if version != self._seen_board or self._scaling() != self._seen_scaling:
+                return
+            if dict(self._dynamic()) != self._seen_dynamic:
                 return
 
     def _failed(self, err: KubeError) -> None:

@@ -36,8 +36,8 @@ from typing import Any
 from kubernetes.client import ApiClient, CoreV1Api
 
 from agent.clock import Clock, SystemClock
-from agent.domain.annotations import PREDICATE_NODE
-from agent.domain.clusterbook import Assignment, ClusterBook, GpuKey, GpuUsage
+from agent.domain.annotations import PREDICATE_NODE, AnnotationError, wants_isolation
+from agent.domain.clusterbook import Assignment, ClusterBook, GpuKey, GpuUsage, NoFitError
 from agent.domain.nodeinventory import INVENTORY_ANNOTATION, InventoryFormatError, decode
 from agent.domain.schedrequest import PackPolicy, PodDemand, SchedulingRequestError, placed_gpus, pod_demand
 from agent.errors import PodFormatError
@@ -200,26 +200,35 @@ class ExtenderView:
         """(node policy, GPU policy): the pod's annotations over the extender's defaults."""
         return demand.node_policy or self.node_policy, demand.gpu_policy or self.gpu_policy
 
-    def filter(self, demand: PodDemand, nodes: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    def filter(
+        self, demand: PodDemand, nodes: Sequence[str], isolated: bool = False
+    ) -> tuple[list[str], dict[str, str]]:
+        """``isolated``: the pod asks for hardware-isolated shares (``domain/isolatedfit.py``)."""
         with self._lock:
             self._expire()
-            return self._book.filter(demand, nodes, self._clock.wall())
+            return self._book.filter(demand, nodes, self._clock.wall(), isolated=isolated)
 
-    def prioritize(self, demand: PodDemand, nodes: Sequence[str]) -> dict[str, int]:
+    def prioritize(self, demand: PodDemand, nodes: Sequence[str], isolated: bool = False) -> dict[str, int]:
         node_policy, gpu_policy = self.policies(demand)
         with self._lock:
             self._expire()
-            return self._book.prioritize(demand, nodes, self._clock.wall(), node_policy, gpu_policy)
+            wall = self._clock.wall()
+            return self._book.prioritize(demand, nodes, wall, node_policy, gpu_policy, isolated=isolated)
 
     def reserve(self, pod: PodInfo, demand: PodDemand, node: str) -> Assignment:
         """Choose GPUs on ``node`` and charge them now; NoFitError when the pod does not fit.
         A charge the pod had before (annotations left from an earlier attempt) is replaced."""
         _, gpu_policy = self.policies(demand)
+        try:
+            isolated = isolated_pod(pod)
+        except SchedulingRequestError as err:
+            raise NoFitError(str(err)) from err
         with self._lock:
             self._expire()
             self._book.uncharge(pod.uid)
             try:
-                assignment = self._book.reserve(pod.uid, node, demand, gpu_policy, self._clock.wall())
+                wall = self._clock.wall()
+                assignment = self._book.reserve(pod.uid, node, demand, gpu_policy, wall, isolated=isolated)
             except BaseException:
                 self._restore(pod.uid)
                 raise
@@ -344,3 +353,12 @@ class ClusterWatch:
 
     def stats(self) -> dict[str, ReflectorStats]:
         return {"nodes": self.nodes.stats, "pods": self.pods.stats}
+
+
+def isolated_pod(pod: PodInfo) -> bool:
+    """Whether the pod asks for hardware-isolated shares; SchedulingRequestError for a value of
+    ``nvidia.com/vcuda-isolation`` other than ``mig`` (it can never be scheduled)."""
+    try:
+        return wants_isolation(pod.annotations)
+    except AnnotationError as err:
+        raise SchedulingRequestError(str(err)) from err

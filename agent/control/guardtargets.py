@@ -140,6 +140,24 @@ class GuardTargets:
         ``own_resources`` of the constructor)."""
         self._mig, self._own_resources = grants, own
 
+    def add_mig_source(self, grants: Callable[[], Mapping[tuple[str, str], MigGrant]]) -> None:
+        """More MIG holdings (the DRA claims' MIG instances): a container holding devices of
+        both is allowed the nodes of both."""
+        first = self._mig
+
+        def merged() -> Mapping[tuple[str, str], MigGrant]:
+            found = dict(first())
+            for key, grant in grants().items():
+                held = found.get(key)
+                found[key] = (
+                    grant
+                    if held is None
+                    else MigGrant(held.gpu_minors | grant.gpu_minors, held.cap_minors | grant.cap_minors)
+                )
+            return found
+
+        self._mig = merged
+
     def exemptions(self) -> list[Exemption]:
         """The pods left alone as of the last pass, and why."""
         return sorted(self._exemptions.values(), key=lambda e: (e.namespace, e.pod))

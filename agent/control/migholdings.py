@@ -101,3 +101,22 @@ class MigHoldings:
                 minors = (offered.device.gi_cap_minor, offered.device.ci_cap_minor)
                 caps.update(m for m in minors if m is not None)
         return {key: MigGrant(frozenset(g), frozenset(c)) for key, (g, c) in found.items()}
+
+
+Grants = Callable[[], Mapping[tuple[str, str], MigGrant]]
+
+
+def merged_grants(*sources: Grants) -> Grants:
+    """One grants source of several (the MIG plugins' holdings, isolated shares...): a
+    container in more than one is allowed the nodes of all."""
+
+    def grants() -> dict[tuple[str, str], MigGrant]:
+        out: dict[tuple[str, str], MigGrant] = {}
+        for source in sources:
+            for key, grant in source().items():
+                before = out.get(key, MigGrant(frozenset(), frozenset()))
+                gpus, caps = before.gpu_minors | grant.gpu_minors, before.cap_minors | grant.cap_minors
+                out[key] = MigGrant(gpus, caps)
+        return out
+
+    return grants

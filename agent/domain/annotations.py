@@ -103,3 +103,23 @@ def parse_policy(text: str | None, default: Policy, where: str) -> tuple[Policy,
     except ValueError:
         valid = ", ".join(p.value for p in Policy)
         return default, f"{where} {POLICY}={text!r} is not a policy (valid: {valid})"
+
+
+ISOLATION = "nvidia.com/vcuda-isolation"  # pod annotation: "mig" asks for a hardware-isolated share
+ISOLATION_MIG = "mig"
+_SHOWN_MAX = 64  # characters of a tenant's value quoted back in a message
+
+
+def wants_isolation(annotations: Mapping[str, str]) -> bool:
+    """Whether the pod asks for a hardware-isolated share; AnnotationError for any value but
+    exactly ``mig`` (a tenant's annotation is hostile input: nothing is guessed from it)."""
+    text = annotations.get(ISOLATION)
+    if text is None:
+        return False
+    if text != ISOLATION_MIG:
+        shown = text[:_SHOWN_MAX] + ("..." if len(text) > _SHOWN_MAX else "")
+        raise AnnotationError(
+            f"{ISOLATION}={shown!r} is not valid: the only value is {ISOLATION_MIG!r} (a MIG instance "
+            "made for the share); leave the annotation out for a time-sliced share"
+        )
+    return True

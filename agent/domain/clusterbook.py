@@ -11,7 +11,8 @@ fit, scores and reservations. Pure and NOT thread-safe: the caller serialises ac
 - Charges survive node updates and may name nodes not seen yet: every node's usage
   is rebuilt from its charges whenever its GPUs change.
 
-Fit and scores per node are in ``agent.domain.gpufit``.
+Fit and scores per node are in ``agent.domain.gpufit``; for pods asking for hardware-isolated
+shares (``nvidia.com/vcuda-isolation: mig``) in ``agent.domain.isolatedfit``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.domain.gpufit import GpuKey, NodeState, Placement, Shape
+from agent.domain.isolatedfit import isolated_fit
 from agent.domain.nodeinventory import INVENTORY_ANNOTATION, NodeInventory
 from agent.domain.schedrequest import DEFAULT_MAX_PER_GPU, PackPolicy, PodDemand
 from agent.errors import VcudaError
@@ -182,8 +184,13 @@ class ClusterBook:
             found.append(state if quick else None)
         return found
 
-    def filter(self, demand: PodDemand, nodes: Sequence[str], now: float) -> tuple[list[str], dict[str, str]]:
-        """(nodes that fit, in the given order; {node: reason} for the others). ``now`` is wall time."""
+    def filter(
+        self, demand: PodDemand, nodes: Sequence[str], now: float, *, isolated: bool = False
+    ) -> tuple[list[str], dict[str, str]]:
+        """(nodes that fit, in the given order; {node: reason} for the others). ``now`` is wall time.
+        ``isolated``: the pod asks for hardware-isolated shares (``isolatedfit``)."""
+        if isolated:
+            return self._filter_isolated(demand, nodes, now)
         fit: list[str] = []
         failed: dict[str, str] = {}
         for name, state in zip(nodes, self._fitting(demand, nodes, now), strict=True):
@@ -203,10 +210,15 @@ class ClusterBook:
         now: float,
         node_policy: PackPolicy,
         gpu_policy: PackPolicy,
+        *,
+        isolated: bool = False,
     ) -> dict[str, int]:
         """Score 0..10 for every node in ``nodes``: 0 where the pod does not fit, else 1..10
         (``NodeState.score``). The pod's own policy annotations win over the arguments (the
         extender's defaults). ``gpu_policy`` does not change scores, only which GPUs reserve picks."""
+        if isolated:  # every node where it fits alike: the instances are the pod's alone
+            passed, _ = self._filter_isolated(demand, nodes, now)
+            return {name: 10 if name in passed else 0 for name in nodes}
         spread = (demand.node_policy or node_policy) is PackPolicy.SPREAD
         shape = Shape(demand)
         return {
@@ -215,7 +227,14 @@ class ClusterBook:
         }
 
     def reserve(
-        self, uid: str, node: str, demand: PodDemand, gpu_policy: PackPolicy, now: float
+        self,
+        uid: str,
+        node: str,
+        demand: PodDemand,
+        gpu_policy: PackPolicy,
+        now: float,
+        *,
+        isolated: bool = False,
     ) -> Assignment:
         """Choose GPUs on ``node`` (the pod's GPU policy annotation wins over ``gpu_policy``) and
         charge them to ``uid`` in one step; NoFitError(reason) when the pod does not fit now.
@@ -224,7 +243,10 @@ class ClusterBook:
         if previous is not None:
             self.uncharge(uid)
         try:
-            placement = self._choose(node, demand, demand.gpu_policy or gpu_policy, now)
+            if isolated:
+                placement = self._choose_isolated(node, demand, now)
+            else:
+                placement = self._choose(node, demand, demand.gpu_policy or gpu_policy, now)
         except NoFitError:
             if previous is not None:
                 self.charge(uid, previous.node, previous.demand, previous.gpus)
@@ -245,6 +267,30 @@ class ClusterBook:
         if placement is None:
             raise NoFitError(reason)
         return dict(placement)  # the memo's copy stays untouched
+
+    def _filter_isolated(
+        self, demand: PodDemand, nodes: Sequence[str], now: float
+    ) -> tuple[list[str], dict[str, str]]:
+        fit: list[str] = []
+        failed: dict[str, str] = {}
+        for name in nodes:
+            state, reason = self._eligible(name, now)
+            if state is not None and state.inventory is not None:
+                placement, reason = isolated_fit(state.inventory, demand)
+                if placement is not None:
+                    fit.append(name)
+                    continue
+            failed[name] = reason
+        return fit, failed
+
+    def _choose_isolated(self, node: str, demand: PodDemand, now: float) -> Placement:
+        state, reason = self._eligible(node, now)
+        if state is None or state.inventory is None:
+            raise NoFitError(reason)
+        placement, reason = isolated_fit(state.inventory, demand)
+        if placement is None:
+            raise NoFitError(reason)
+        return placement
 
     def gpu_usage(self, node: str) -> list[GpuUsage]:
         """Per-GPU usage from placed charges (pending containers are not on any GPU); [] for a

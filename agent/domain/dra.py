@@ -6,6 +6,11 @@ capacities: ``cores`` (100 per GPU, like nvidia.com/vcuda-core) and ``memory`` (
 GPU's memory x deviceMemoryScaling, whole MiB). A claim's allocation result names the device
 and, with consumable capacity (KEP-5075), what it consumed; the policy comes from the claim's
 opaque config (``ShareConfig``) or, without one, the node's default policy.
+
+A GPU on dynamic MIG (node config ``mig.dynamic``) also publishes one device per MIG profile
+placement, named ``gpu-<index>-mig-<profile>-<start>`` (``3g.40gb`` at memory slice 4 is
+``gpu-0-mig-3g40gb-4``: a device name is a DNS label, so the profile loses its dots), that a
+claim takes whole (agent/domain/migpartition.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ MEMORY = "memory"
 CONFIG_API_VERSION = "gpu.vcuda.io/v1alpha1"
 CONFIG_KIND = "ShareConfig"
 CDI_KIND = "vcuda.io/gpu"  # CDI "vendor/class" of the specs the kubelet plugin writes
-_DEVICE = re.compile(r"^gpu-(0|[1-9][0-9]{0,3})$")
+_DEVICE = re.compile(r"^gpu-(0|[1-9][0-9]{0,3})(?:-mig-([0-9]+g[0-9]+gb)-([0-7]))?$")
+ISOLATION_MIG = "mig"  # ShareConfig.isolation: the share is served by a MIG instance of its own
 MIB = 1 << 20
 
 
@@ -36,11 +42,32 @@ def device_name(index: int) -> str:
     return f"gpu-{index}"
 
 
+def mig_device_name(index: int, profile: str, start: int) -> str:
+    """The device of MIG profile ``profile`` (``3g.40gb``) at memory slice ``start`` of GPU
+    ``index``: ``gpu-0-mig-3g40gb-4``."""
+    return f"gpu-{index}-mig-{profile_token(profile)}-{start}"
+
+
+def profile_token(profile: str) -> str:
+    """A profile name as a DNS label part: ``3g.40gb`` -> ``3g40gb``."""
+    return profile.replace(".", "")
+
+
+def mig_slot(name: str) -> tuple[str, int] | None:
+    """(profile token, start) of a MIG placement device name; None for a GPU device."""
+    match = _DEVICE.match(name)
+    if not match or match.group(2) is None:
+        return None
+    return match.group(2), int(match.group(3))
+
+
 def device_index(name: str) -> int:
     """The GPU index of a device name; ClaimError if it is not one of ours."""
     match = _DEVICE.match(name)
     if not match:
-        raise ClaimError(f"device {name!r} is not a vcuda GPU device (gpu-<index>)")
+        raise ClaimError(
+            f"device {name!r} is not a vcuda GPU device (gpu-<index>, or gpu-<index>-mig-<profile>-<start>)"
+        )
     return int(match.group(1))
 
 
@@ -57,6 +84,7 @@ class ClaimShare:
     share_id: str  # the allocation's shareID ("" for a whole device)
     policy: str | None  # from the claim's ShareConfig; None: the node default
     limit: int | None  # ShareConfig.limit: a burst-share ceiling or a fixed-share cap
+    isolation: str | None = None  # ShareConfig.isolation: "mig" demands a MIG instance of its own
 
 
 @dataclass(frozen=True)
@@ -99,7 +127,7 @@ def claim_shares(claim: Mapping[str, Any], node: str) -> list[ClaimShare]:
         memory = _quantity(consumed, MEMORY, where, default=0)
         if not 1 <= cores <= 100:
             raise ClaimError(f"{where}.consumedCapacity.cores is {cores}: expected 1..100")
-        policy, limit = _config_for(configs, request)
+        policy, limit, isolation = _config_for(configs, request)
         shares.append(
             ClaimShare(
                 request=request,
@@ -111,30 +139,32 @@ def claim_shares(claim: Mapping[str, Any], node: str) -> list[ClaimShare]:
                 share_id=str(result.get("shareID") or ""),
                 policy=policy,
                 limit=limit,
+                isolation=isolation,
             )
         )
     return shares
 
 
-def _config_for(
-    configs: Mapping[str, tuple[str | None, int | None]], request: str
-) -> tuple[str | None, int | None]:
+_Config = tuple[str | None, int | None, str | None]  # (policy, limit, isolation)
+
+
+def _config_for(configs: Mapping[str, _Config], request: str) -> _Config:
     """The config of an allocation result's request: one naming it exactly (``gpu/small``),
     else one naming its main request (``gpu``: "applies to all subrequests", API reference of
     DeviceClaimConfiguration.requests), else one for all requests, else none."""
     for key in (request, main_request(request), ""):
         if key in configs:
             return configs[key]
-    return None, None
+    return None, None, None
 
 
-def _share_configs(raw: Any) -> dict[str, tuple[str | None, int | None]]:
-    """Request name ("" for all requests) -> (policy, limit) from our opaque configs."""
+def _share_configs(raw: Any) -> dict[str, _Config]:
+    """Request name ("" for all requests) -> (policy, limit, isolation) from our opaque configs."""
     if raw is None:
         return {}
     if not isinstance(raw, list):
         raise ClaimError("status.allocation.devices.config is not a list")
-    found: dict[str, tuple[str | None, int | None]] = {}
+    found: dict[str, _Config] = {}
     for i, entry in enumerate(raw):
         where = f"status.allocation.devices.config[{i}]"
         opaque = _dict(entry, where).get("opaque")
@@ -153,11 +183,15 @@ def _share_configs(raw: Any) -> dict[str, tuple[str | None, int | None]]:
             isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100
         ):
             raise ClaimError(f"{where}.opaque.parameters.limit {limit!r}: an integer 1..100")
+        isolation = params.get("isolation")
+        if isolation not in (None, "none", ISOLATION_MIG):
+            raise ClaimError(f"{where}.opaque.parameters.isolation {isolation!r}: mig or none")
+        isolation = None if isolation == "none" else isolation
         requests = entry.get("requests") or [""]
         if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
             raise ClaimError(f"{where}.requests is not a list of names")
         for request in requests:
-            found[request] = (policy, limit)
+            found[request] = (policy, limit, isolation)
     return found
 
 
@@ -213,13 +247,37 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True)
+class PreparedMig:
+    """A MIG instance created for a claim's share (dynamic MIG): where it is and the device
+    nodes its users need besides nvidiactl and UVM."""
+
+    request: str
+    device: str  # the allocated device (a placement device, or the GPU's share device)
+    gpu_index: int
+    gpu_minor: int  # the parent GPU's /dev/nvidia<minor>
+    gi: int
+    ci: int
+    uuid: str  # MIG-...
+    profile: str  # 3g.40gb
+    start: int  # its placement on the GPU's memory slices
+    size: int
+    cap_minors: tuple[int, ...]  # /dev/nvidia-caps/nvidia-cap<minor> of its GI and CI
+
+
+@dataclass(frozen=True)
 class PreparedClaim:
     """A claim prepared on this node: its shares (one per allocated device) and the devices
-    with CDI IDs kubelet was given; ``devices[i]`` is for ``shares[i]``."""
+    with CDI IDs kubelet was given; ``devices[i]`` is for ``shares[i]``. ``mig``: the MIG
+    instances created for it (dynamic MIG), whose shares are not held by the ledger: the
+    hardware holds them."""
 
     ref: ClaimRef
     shares: tuple[ClaimShare, ...]
     devices: tuple[PreparedDevice, ...]
+    mig: tuple[PreparedMig, ...] = ()
+
+    def mig_of(self, share: ClaimShare) -> PreparedMig | None:
+        return next((m for m in self.mig if (m.request, m.device) == (share.request, share.device)), None)
 
 
 def cdi_device_name(claim_uid: str, request: str, gpu_index: int, taken: Sequence[str] = ()) -> str:

@@ -18,6 +18,13 @@ Attributes follow what NVIDIA's DRA driver publishes for a GPU, so selectors car
 version, when known), and the standard ``resource.kubernetes.io/pciBusID`` and
 ``resource.kubernetes.io/numaNode`` (left out when the platform does not say).
 
+A GPU on dynamic MIG adds KEP-4815 shapes (agent/domain/migpartition.py): its counter set in
+a slice of its own (``<node>-gpu.vcuda.io-gpu-<index>-counters``), its placement devices after
+the share devices, and its share device marked ``isolation: mig`` and consuming the whole set.
+The pool then has several slices: the devices in slices of at most 64 (``<node>-gpu.vcuda.io``,
+``-2``, ``-3`` ...) and the counter slices; ``resourceSliceCount`` counts them all. Without
+dynamic MIG it is the one slice above.
+
 Consumers must only use the slices of a pool's highest ``spec.pool.generation``, so the
 publisher (agent/control/drapublisher.py) bumps it whenever the devices change; this module
 only builds and compares contents.
@@ -28,12 +35,15 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from agent.domain.dra import CORES, DRIVER, MEMORY, device_name
 from agent.domain.ids import UNITS_PER_GPU
+from agent.domain.migpartition import chunks, counter_set, isolated_share_device, placement_devices
 from agent.domain.nodeinventory import schedulable_mib
 from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.gpu.migprofiles import MigProduct
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
@@ -46,17 +56,41 @@ _BDF = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7
 _VERSION = re.compile(r"^([0-9]+)\.([0-9]+)(?:\.([0-9]+))?$")
 
 # The spec fields the agent owns; a slice that differs in any of them is rewritten.
-_OWNED = ("driver", "nodeName", "devices")
+_OWNED = ("driver", "nodeName", "devices", "sharedCounters")
 
 
-def slice_name(node: str) -> str:
-    """``<node>-gpu.vcuda.io``; a node name too long for that is cut and made unique by a hash."""
-    name = f"{node}-{DRIVER}"
+def slice_name(node: str, suffix: str = "") -> str:
+    """``<node>-gpu.vcuda.io`` (``-<suffix>`` after it for the pool's other slices); a node
+    name too long for that is cut and made unique by a hash."""
+    tail = f"{DRIVER}-{suffix}" if suffix else DRIVER
+    name = f"{node}-{tail}"
     if len(name) <= _NAME_MAX:
         return name
     digest = hashlib.sha256(node.encode()).hexdigest()[:10]
-    keep = _NAME_MAX - len(DRIVER) - len(digest) - 2
-    return f"{node[:keep].rstrip('.-')}-{digest}-{DRIVER}"
+    keep = _NAME_MAX - len(tail) - len(digest) - 2
+    return f"{node[:keep].rstrip('.-')}-{digest}-{tail}"
+
+
+@dataclass(frozen=True)
+class SliceContent:
+    """One slice of the pool: devices or shared counters (never both)."""
+
+    name: str
+    devices: tuple[Mapping[str, Any], ...] = ()
+    counters: tuple[Mapping[str, Any], ...] = ()
+
+
+def pool_contents(
+    node: str, devices: Sequence[Mapping[str, Any]], counters: Sequence[Mapping[str, Any]] = ()
+) -> list[SliceContent]:
+    """The pool's slices: devices in chunks (the first one keeps the plain slice name), then a
+    slice per counter set."""
+    slices = [
+        SliceContent(slice_name(node, "" if i == 0 else str(i + 1)), tuple(chunk))
+        for i, chunk in enumerate(chunks(devices))
+    ]
+    slices += [SliceContent(slice_name(node, str(c["name"])), counters=(c,)) for c in counters]
+    return slices
 
 
 def gpu_device(gpu: GpuInfo, memory_mib: int, driver_version: str | None = None) -> dict[str, Any]:
@@ -101,16 +135,33 @@ def desired_devices(
     healthy: Mapping[int, bool],
     scaling: float,
     driver_version: str | None = None,
+    dynamic: Mapping[int, MigProduct] | None = None,
 ) -> list[dict[str, Any]]:
     """The devices to publish, by GPU index: unhealthy GPUs (and any without a whole MiB to
     share, which no memory policy could describe) are left out. A GPU missing from ``healthy``
-    counts as healthy, as in nodeinventory.memory_capacity_mib."""
-    devices = []
+    counts as healthy, as in nodeinventory.memory_capacity_mib. ``dynamic``: the GPUs on
+    dynamic MIG (ready for it) and their MIG product: their share device is isolated and
+    their placement devices follow every share device."""
+    dynamic = dynamic or {}
+    devices, placements = [], []
     for gpu in sorted(gpus, key=lambda g: g.index):
         mib = schedulable_mib(gpu.memory_mib, scaling)
-        if healthy.get(gpu.index, True) and mib >= 1:
-            devices.append(gpu_device(gpu, mib, driver_version))
-    return devices
+        if not (healthy.get(gpu.index, True) and mib >= 1):
+            continue
+        device = gpu_device(gpu, mib, driver_version)
+        product = dynamic.get(gpu.index)
+        if product is None:
+            devices.append(device)
+            continue
+        devices.append(isolated_share_device(device, gpu.index))
+        placements += placement_devices(gpu, product, semantic_version(driver_version or "") or "")
+    return devices + placements
+
+
+def desired_counters(devices: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The counter sets the devices consume, in order: one per dynamic GPU published."""
+    names = dict.fromkeys(str(c["counterSet"]) for d in devices for c in d.get("consumesCounters") or ())
+    return [counter_set(int(name.split("-")[1])) for name in names]
 
 
 def node_owner(node: str, uid: str) -> dict[str, Any]:
@@ -125,11 +176,25 @@ def build_slice(
     generation: int,
     resource_version: str | None = None,
     node_uid: str = "",
+    *,
+    content: SliceContent | None = None,
+    count: int = 1,
 ) -> dict[str, Any]:
     """The whole ResourceSlice; ``resource_version`` makes a replacement conditional;
-    ``node_uid`` (when known) makes the Node its owner."""
+    ``node_uid`` (when known) makes the Node its owner. ``content``: one slice of a pool of
+    ``count`` slices (its devices or counters; ``devices`` is then ignored)."""
+    content = content or SliceContent(slice_name(node), tuple(devices))
+    spec: dict[str, Any] = {
+        "driver": DRIVER,
+        "nodeName": node,
+        "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
+    }
+    if content.counters:
+        spec["sharedCounters"] = [dict(c) for c in content.counters]
+    else:
+        spec["devices"] = [dict(d) for d in content.devices]
     metadata: dict[str, Any] = {
-        "name": slice_name(node),
+        "name": content.name,
         "labels": {"app.kubernetes.io/managed-by": "vcuda-agent"},
     }
     if resource_version:
@@ -140,12 +205,7 @@ def build_slice(
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": metadata,
-        "spec": {
-            "driver": DRIVER,
-            "nodeName": node,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-            "devices": [dict(d) for d in devices],
-        },
+        "spec": spec,
     }
 
 
@@ -163,15 +223,22 @@ def is_owned(obj: Mapping[str, Any], node: str, node_uid: str) -> bool:
     return not node_uid or refs == [node_owner(node, node_uid)]
 
 
-def is_current(obj: Mapping[str, Any], node: str, devices: Sequence[Mapping[str, Any]]) -> bool:
+def is_current(
+    obj: Mapping[str, Any],
+    node: str,
+    devices: Sequence[Mapping[str, Any]],
+    *,
+    content: SliceContent | None = None,
+    count: int = 1,
+) -> bool:
     """Whether a slice read back already says what we would publish (generation aside)."""
     spec = obj.get("spec") or {}
-    want = build_slice(node, devices, 0)["spec"]
+    want = build_slice(node, devices, 0, content=content, count=count)["spec"]
     pool = spec.get("pool") or {}
-    return all(spec.get(k) == want[k] for k in _OWNED) and (
+    return all(spec.get(k) == want.get(k) for k in _OWNED) and (
         pool.get("name"),
         pool.get("resourceSliceCount"),
-    ) == (node, 1)
+    ) == (node, count)
 
 
 def pci_bus_id(text: str) -> str | None:

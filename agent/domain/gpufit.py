@@ -71,8 +71,11 @@ class NodeState:
         self.memory: dict[int, int] = {}  # schedulable MiB per GPU
         if inventory is not None:
             for g in inventory.gpus:
-                self.gpus[g.index] = GpuState(g.index, g.cores, g.schedulable_mib, g.healthy)
-            self.memory = {g.index: g.schedulable_mib for g in inventory.gpus}
+                # A GPU serving isolated shares on demand takes no other share (isolatedfit.py).
+                plain = g.mig is None or not g.mig.on_demand
+                cores, memory = (g.cores, g.schedulable_mib) if plain else (0, 0)
+                self.gpus[g.index] = GpuState(g.index, cores, memory, g.healthy)
+            self.memory = {i: s.memory for i, s in self.gpus.items()}
             self.links = {
                 (g.index, peer): link_score(link) for g in inventory.gpus for peer, link in g.links.items()
             }

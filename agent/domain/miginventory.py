@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.platform.gpu.migprofiles import GpuInstanceProfile, MigProduct, Placement, remaining_capacity
 from agent.platform.gpu.migstate import MigInfo
 
 MIG_CAPABLE_LABEL = "nvidia.com/mig.capable"
@@ -48,6 +49,8 @@ class MigEntry:
     enabled: bool
     pending: bool
     devices: tuple[MigDeviceEntry, ...] = ()
+    on_demand: bool = False  # serves hardware-isolated shares (mig.onDemand, in MIG mode)
+    room: Mapping[str, int] = field(default_factory=dict)  # on demand: profile -> how many more fit
 
 
 def mig_entry(info: MigInfo, unhealthy_gis: Iterable[int] = (), gpu_healthy: bool = True) -> MigEntry | None:
@@ -72,7 +75,7 @@ def mig_entry(info: MigInfo, unhealthy_gis: Iterable[int] = (), gpu_healthy: boo
 
 
 def encode_mig(entry: MigEntry) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "mode": _mode(entry.enabled),
         "pending": _mode(entry.pending),
         "devices": [
@@ -88,6 +91,10 @@ def encode_mig(entry: MigEntry) -> dict[str, Any]:
             for d in entry.devices
         ],
     }
+    if entry.on_demand:
+        body["onDemand"] = True
+        body["room"] = dict(sorted(entry.room.items()))
+    return body
 
 
 def decode_mig(raw: object) -> MigEntry:
@@ -97,11 +104,26 @@ def decode_mig(raw: object) -> MigEntry:
     devices = raw.get("devices")
     if not isinstance(devices, list):
         raise ValueError("devices must be a list")
+    on_demand = raw.get("onDemand", False)
+    if not isinstance(on_demand, bool):
+        raise ValueError("onDemand must be true or false")
+    room = raw.get("room", {})
+    if not isinstance(room, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in room.items()
+    ):
+        raise ValueError("room must be an object of MIG profile -> count")
     return MigEntry(
         enabled=_parse_mode(raw.get("mode"), "mode"),
         pending=_parse_mode(raw.get("pending"), "pending"),
         devices=tuple(_decode_device(d, i) for i, d in enumerate(devices)),
+        on_demand=on_demand,
+        room=dict(room),
     )
+
+
+def _is_count(key: object, value: object) -> bool:
+    return isinstance(key, str) and isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _decode_device(raw: object, i: int) -> MigDeviceEntry:
@@ -170,3 +192,36 @@ def mig_labels(infos: Mapping[int, MigInfo], strategy: str | None = None) -> dic
 def stale_count_labels(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, None]:
     """``nvidia.com/mig-<profile>.count`` labels on the node that are no longer desired."""
     return {key: None for key in current if is_count_label(key) and key not in desired}
+
+
+# Isolated shares on demand ----------------------------------------------------------------------
+# A GPU in MIG mode that still offers vcuda-core serves hardware-isolated shares on demand: its
+# entry says so (``"onDemand": true``) and how many more GPU instances of each plain profile
+# still fit beside its instances (``"room": {"1g.10gb": 4, ...}``), which the extender reads.
+
+
+def gi_profile_name(device_profile: str) -> str:
+    """The GPU instance profile of a MIG device's name: ``1c.3g.40gb`` -> ``3g.40gb``."""
+    head, _, rest = device_profile.partition(".")
+    return rest if head.endswith("c") and head[:-1].isdigit() and rest else device_profile
+
+
+def entry_instances(gpu: MigProduct, entry: MigEntry) -> list[tuple[GpuInstanceProfile, Placement]]:
+    """The entry's GPU instances (one per GI) as migfit takes them; names the product lacks
+    are left out."""
+    seen: dict[int, tuple[GpuInstanceProfile, Placement]] = {}
+    for d in entry.devices:
+        profile = gpu.by_name(gi_profile_name(d.profile))
+        match = _PLACEMENT.match(d.placement)
+        if profile is not None and match is not None and d.gi not in seen:
+            seen[d.gi] = (profile, Placement(int(match.group(1)), int(match.group(2))))
+    return list(seen.values())
+
+
+def on_demand_entry(entry: MigEntry, gpu: MigProduct | None) -> MigEntry:
+    """``entry`` marked on demand, with the room left per plain profile."""
+    if gpu is None:
+        return replace(entry, on_demand=True)
+    existing = entry_instances(gpu, entry)
+    room = {p.name: remaining_capacity(p, existing) for p in gpu.profiles if not p.media}
+    return replace(entry, on_demand=True, room=room)

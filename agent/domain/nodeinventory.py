@@ -18,6 +18,8 @@ compact JSON in a versioned format; version 1:
                "links": {"1": "SINGLE_SWITCH", "2": "SYSTEM"},  # TopologyLevel name per peer index
                "nvlinks": {"1": 18},      # NVLink count per peer; peers without NVLink left out
                "mig": {...}}]}            # MIG-capable GPUs only: domain/miginventory.py
+                                          # (a GPU in MIG mode with cores > 0 serves isolated
+                                          # shares on demand: "onDemand", "room" there)
 
 Within version 1, fields may be added (readers ignore unknown fields); removing or
 changing the meaning of one needs version 2. ``nvidia.com/vcuda-memory`` capacity
@@ -38,9 +40,10 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from agent.domain.ids import UNITS_PER_GPU
-from agent.domain.miginventory import MigEntry, decode_mig, encode_mig
+from agent.domain.miginventory import MigEntry, decode_mig, encode_mig, on_demand_entry
 from agent.errors import VcudaError
 from agent.platform.gpu.inventory import GpuInfo, Link, Topology, TopologyLevel
+from agent.platform.gpu.migprofiles import product_for
 from agent.platform.kube.pods import MEMORY_RESOURCE
 
 INVENTORY_ANNOTATION = "nvidia.com/vcuda-inventory"
@@ -125,7 +128,9 @@ def build_inventory(
     withheld: Collection[int] = (),
 ) -> NodeInventory:
     """``mig``: the MIG side of MIG-capable GPUs (by index; absent or None: no MIG).
-    ``withheld``: GPUs that offer no shares (in MIG mode): 0 cores and 0 schedulable MiB."""
+    ``withheld``: GPUs that offer no shares (in MIG mode): 0 cores and 0 schedulable MiB. A GPU
+    in MIG mode that is not withheld serves isolated shares on demand (its ``mig`` says so)."""
+    mig = {i: _mark_on_demand(e, gpus, i, withheld) for i, e in (mig or {}).items()}
     entries = tuple(
         GpuEntry(
             index=g.index,
@@ -142,6 +147,15 @@ def build_inventory(
         for g in sorted(gpus, key=lambda g: g.index)
     )
     return NodeInventory(node=node, heartbeat=heartbeat, memory_scaling=scaling, gpus=entries)
+
+
+def _mark_on_demand(
+    entry: MigEntry | None, gpus: Sequence[GpuInfo], index: int, withheld: Collection[int]
+) -> MigEntry | None:
+    if entry is None or not entry.enabled or index in withheld:
+        return entry
+    gpu = next((g for g in gpus if g.index == index), None)
+    return on_demand_entry(entry, product_for(gpu.model, gpu.memory_mib) if gpu is not None else None)
 
 
 def encode(inventory: NodeInventory) -> str:

@@ -28,9 +28,15 @@ What it follows (k8s.io/dynamic-resource-allocation/structured, the 1.36 allocat
   (matchFields metadata.name), written through the status subresource with the claim's
   resourceVersion as precondition; ``reservedFor`` a pod when asked.
 
+- Partitionable devices (KEP-4815): a pool's ``sharedCounters`` (counter sets in slices of
+  their own) and each device's ``consumesCounters``. A device is eligible only while what the
+  allocated claims (and this one) consume of each counter plus its own consumption stays
+  within the set's value; a device many claims share consumes its counters once, at its first
+  allocation. A device consuming a set the pool does not publish is never allocated.
+
 Not modelled: general CEL; ``firstAvailable`` (prioritized lists), ``allocationMode: All``,
-``adminAccess``, constraints (``matchAttribute``/``distinctAttribute``); partitionable devices
-(``sharedCounters``/``consumesCounters``), taints and tolerations, binding conditions, slices
+``adminAccess``, constraints (``matchAttribute``/``distinctAttribute``); counter consumption
+in compatibility groups (KEP-5963), taints and tolerations, binding conditions, slices
 with ``nodeSelector``/``allNodes``/``perDeviceNodeSelection``; backtracking across requests (the
 real allocator tries other devices for an earlier request when a later one does not fit;
 this one fails); scoring; fractional quantities; the scheduler's in-flight claims of other
@@ -45,9 +51,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from agent.emulators.drapools import (
+    Counters,
     Device,
     DraAllocationError,
     Key,
+    add_counters,
+    counter_usage,
+    counters_refusal,
+    published_counters,
     published_devices,
     quantity,
     selects,
@@ -70,14 +81,16 @@ def allocate_claim(
     requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
     for request in requests:
         _check_supported(request)
+    slices, allocated = list(slices), list(allocated)
     devices = published_devices(slices)
     consumed, exclusive = usage(allocated)
+    counters = _Counters(published_counters(slices), *counter_usage(allocated, devices))
     nodes = [node] if node else sorted({d.node for d in devices})
     why: list[str] = []
     for candidate in nodes:
         on_node = [d for d in devices if d.node == candidate]
         try:
-            results = _fit(requests, classes, on_node, consumed, exclusive)
+            results = _fit(requests, classes, on_node, consumed, exclusive, counters=counters.copy())
         except _NoFit as err:
             why.append(f"node {candidate}: {err}")
             continue
@@ -90,12 +103,34 @@ class _NoFit(DraAllocationError):
     """This node cannot satisfy a request (message: why), another node might."""
 
 
+class _Counters:
+    """The published counter sets, what is consumed of them, and by which devices."""
+
+    def __init__(self, available: Counters, used: Counters, counted: set[Key]) -> None:
+        self.available, self.used, self.counted = available, used, counted
+
+    def copy(self) -> _Counters:
+        return _Counters(self.available, {k: dict(v) for k, v in self.used.items()}, set(self.counted))
+
+    def refusal(self, device: Device) -> str:
+        if not device.consumes or device.key in self.counted:
+            return ""
+        return counters_refusal(device, self.used, self.available)
+
+    def take(self, device: Device) -> None:
+        if device.consumes and device.key not in self.counted:
+            self.counted.add(device.key)
+            add_counters(self.used, device)
+
+
 def _fit(
     requests: Sequence[Mapping[str, Any]],
     classes: Mapping[str, Mapping[str, Any]],
     devices: Sequence[Device],
     consumed: Mapping[Key, Mapping[str, int]],
     exclusive: set[Key],
+    *,
+    counters: _Counters,
 ) -> list[dict[str, Any]]:
     used = {key: dict(held) for key, held in consumed.items()}  # this claim's shares add up too
     taken = set(exclusive)
@@ -124,6 +159,11 @@ def _fit(
             if isinstance(amounts, str):
                 refusals.append(f"{device.name}: {amounts}")
                 continue
+            over = counters.refusal(device)
+            if over:
+                refusals.append(f"{device.name}: {over}")
+                continue
+            counters.take(device)
             results.append(_result(name, device, amounts))
             if device.shared:
                 held = used.setdefault(device.key, {})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.errors import AllocationError
@@ -21,6 +21,8 @@ _ATTR_EQ = re.compile(
 _BINARY = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
 
 Key = tuple[str, str, str]  # (driver, pool, device)
+CounterKey = tuple[str, str, str]  # (driver, pool, counter set)
+Counters = dict[CounterKey, dict[str, int]]  # counter set -> counter -> amount
 
 
 class DraAllocationError(AllocationError):
@@ -81,6 +83,7 @@ class Device:
     attributes: Mapping[str, Any]
     capacity: Mapping[str, Policy]
     shared: bool  # allowMultipleAllocations
+    consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # counter set -> counters
 
     @property
     def key(self) -> Key:
@@ -89,21 +92,8 @@ class Device:
 
 def published_devices(slices: Iterable[Mapping[str, Any]]) -> list[Device]:
     """The usable devices of complete pools at their highest generation, in allocation order."""
-    pools: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for obj in slices:
-        spec = obj.get("spec") or {}
-        if spec.get("nodeName"):  # node-local only
-            pools.setdefault((str(spec.get("driver")), str((spec.get("pool") or {}).get("name"))), []).append(
-                obj
-            )
     devices = []
-    for (driver, pool), members in sorted(pools.items()):
-        top = max(_pool(m, "generation") for m in members)
-        current = sorted(
-            (m for m in members if _pool(m, "generation") == top), key=lambda m: str(m["metadata"]["name"])
-        )
-        if len(current) < max(_pool(current[0], "resourceSliceCount"), 1):
-            continue  # incomplete: the driver is in the middle of an update
+    for driver, pool, current in _current_pools(slices):
         for obj in current:
             for raw in obj["spec"].get("devices") or []:
                 capacity = {str(k): capacity_policy(v) for k, v in (raw.get("capacity") or {}).items()}
@@ -116,9 +106,101 @@ def published_devices(slices: Iterable[Mapping[str, Any]]) -> list[Device]:
                         dict(raw.get("attributes") or {}),
                         capacity,
                         bool(raw.get("allowMultipleAllocations")),
+                        _consumes(raw.get("consumesCounters") or [], str(raw["name"])),
                     )
                 )
     return devices
+
+
+def published_counters(slices: Iterable[Mapping[str, Any]]) -> Counters:
+    """The shared counter sets of complete pools at their highest generation."""
+    found: Counters = {}
+    for driver, pool, current in _current_pools(slices):
+        for obj in current:
+            for raw in obj["spec"].get("sharedCounters") or []:
+                counters = raw.get("counters") or {}
+                found[(driver, pool, str(raw["name"]))] = {
+                    str(k): to_int((v or {}).get("value"), f"counter {k} of set {raw['name']}")
+                    for k, v in counters.items()
+                }
+    return found
+
+
+def _consumes(raw: Iterable[Mapping[str, Any]], device: str) -> dict[str, dict[str, int]]:
+    consumes: dict[str, dict[str, int]] = {}
+    for entry in raw:
+        held = consumes.setdefault(str(entry["counterSet"]), {})
+        for name, value in (entry.get("counters") or {}).items():
+            held[str(name)] = held.get(str(name), 0) + to_int(
+                (value or {}).get("value"), f"counter {name} consumed by {device}"
+            )
+    return consumes
+
+
+def counter_usage(
+    claims: Iterable[Mapping[str, Any]], devices: Iterable[Device]
+) -> tuple[Counters, set[Key]]:
+    """The counters allocated claims consume, and the devices that consumed them. A device that
+    many claims share consumes its counters once, however many allocations it has."""
+    by_key = {d.key: d for d in devices}
+    used: Counters = {}
+    counted: set[Key] = set()
+    for claim in claims:
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            key = (str(result["driver"]), str(result["pool"]), str(result["device"]))
+            device = by_key.get(key)
+            if device is None or key in counted:
+                continue
+            counted.add(key)
+            add_counters(used, device)
+    return used, counted
+
+
+def add_counters(used: Counters, device: Device) -> None:
+    for counter_set, counters in device.consumes.items():
+        held = used.setdefault((device.driver, device.pool, counter_set), {})
+        for name, amount in counters.items():
+            held[name] = held.get(name, 0) + amount
+
+
+def counters_refusal(device: Device, used: Counters, available: Counters) -> str:
+    """Why ``device``'s counters do not fit beside ``used`` ("": they do)."""
+    for counter_set, counters in device.consumes.items():
+        key = (device.driver, device.pool, counter_set)
+        if key not in available:
+            return f"consumes counter set {counter_set!r}, which the pool does not publish"
+        for name, amount in counters.items():
+            total = available[key].get(name)
+            if total is None:
+                return f"consumes counter {name!r}, which set {counter_set!r} does not have"
+            held = used.get(key, {}).get(name, 0)
+            if held + amount > total:
+                return f"counter {counter_set}/{name}: {held} consumed + {amount} > {total}"
+    return ""
+
+
+def _current_pools(
+    slices: Iterable[Mapping[str, Any]],
+) -> list[tuple[str, str, list[Mapping[str, Any]]]]:
+    """(driver, pool, its slices at the highest generation) of every complete node-local pool."""
+    pools: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for obj in slices:
+        spec = obj.get("spec") or {}
+        if spec.get("nodeName"):  # node-local only
+            pools.setdefault((str(spec.get("driver")), str((spec.get("pool") or {}).get("name"))), []).append(
+                obj
+            )
+    found = []
+    for (driver, pool), members in sorted(pools.items()):
+        top = max(_pool(m, "generation") for m in members)
+        current = sorted(
+            (m for m in members if _pool(m, "generation") == top), key=lambda m: str(m["metadata"]["name"])
+        )
+        if len(current) < max(_pool(current[0], "resourceSliceCount"), 1):
+            continue  # incomplete: the driver is in the middle of an update
+        found.append((driver, pool, current))
+    return found
 
 
 def _pool(obj: Mapping[str, Any], field: str) -> int:

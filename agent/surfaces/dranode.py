@@ -6,26 +6,36 @@ guard, metrics and status hold and show claims like device-plugin allocations.
 Both entry paths can run on one node without counting a GPU twice: ``--dra-gpus`` hands some
 GPUs (default all) to DRA; the device plugin offers only the others (their vcuda-core IDs and
 their vcuda-memory), and the slice only these. The ledger sees both.
+
+With dynamic MIG (node config ``mig.dynamic``, docs/dra.md), the slice also offers those
+GPUs' MIG placements, prepare creates the instances, the start re-adopts the checkpointed
+claims' instances and destroys the others, and the device guard allows each claim's users
+exactly their instances (``mig_grants``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from agent.control.draledger import SOURCE, ClaimLedger
+from agent.control.dramig import DynamicMig
+from agent.control.dramiggrants import ClaimMig
 from agent.control.drapublisher import SlicePublisher
+from agent.control.migholdings import MigGrant
+from agent.control.migwatch import MigWatch
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
 from agent.domain.dra import DRIVER, ClaimShare, PreparedClaim
 from agent.domain.health import HealthBoard
 from agent.domain.ledger import Assignment
-from agent.platform.gpu.inventory import GpuInfo
+from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.platform.kube.nodes import NodeClient
 from agent.platform.kube.resourceclaims import ResourceClaimClient
 from agent.platform.kube.resourceslices import ResourceSliceClient
 from agent.settings import DraSettings
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
+from agent.surfaces.draplugin.migprepare import MigPrepare
 from agent.surfaces.draplugin.plugin import DraKubeletPlugin
 from agent.surfaces.kubenode import KubeIntegration
 
@@ -54,8 +64,19 @@ class DraIntegration:
         kube: KubeIntegration,
         responses: ResponseBuilder,
         sharing: MpsSharing,
+        backend: GpuBackend | None = None,
+        mig_watch: MigWatch | None = None,
+        mig_dynamic: Callable[[], Collection[int]] = frozenset,
     ) -> None:
+        """``backend``, ``mig_watch``, ``mig_dynamic`` (the node config's ``mig.dynamic``):
+        dynamic MIG; without a backend it is off."""
         self.gpus = tuple(gpus)
+        self.mig: ClaimMig | None = None
+        prepare_mig: MigPrepare | None = None
+        if backend is not None:
+            dynamic = DynamicMig(backend, gpus, mig_dynamic, mig_watch)
+            self.mig = ClaimMig(dynamic, self._prepared, kube.pods, kube.events)
+            prepare_mig = MigPrepare(dynamic, responses, responses.dev_root, self.mig.report)
         self.publisher = SlicePublisher(
             ResourceSliceClient(kube.api, node_name, DRIVER),
             gpus,
@@ -63,6 +84,7 @@ class DraIntegration:
             scaling=scaling,
             node_name=node_name,
             node_uid=NodeClient(kube.api, node_name, settings.api_timeout_s).uid,  # the slice's owner
+            dynamic=self.mig.mig.ready if self.mig is not None else None,
         )
         self.plugin = DraKubeletPlugin(
             settings,
@@ -74,6 +96,7 @@ class DraIntegration:
             mps=sharing,
             default_policy=lambda: kube.specbook.default_policy().value,
             ceiling=self._ceiling,
+            dynamic_mig=prepare_mig,
         )
         self._kube = kube
         self.claims = ClaimLedger(kube.ledger, kube.pods, self.plugin.prepared)
@@ -94,6 +117,9 @@ class DraIntegration:
     def start(self, supervisor: Supervisor) -> None:
         """After the ledger's rebuild: the prepared claims (from the checkpoint) join it first."""
         self.claims.sync()
+        if self.mig is not None:
+            self.mig.reconcile()  # the checkpointed claims' instances stay, the others go
+            supervisor.spawn("dra-mig", self.mig.run)
         supervisor.spawn("dra-claims", self.claims.run)
         supervisor.spawn("dra-slice-publisher", self.publisher.run)
         self.plugin.start()
@@ -103,6 +129,13 @@ class DraIntegration:
             ",".join(str(g.index) for g in self.gpus) or "none",
             len(self.plugin.prepared.prepared()),
         )
+
+    def _prepared(self) -> list[PreparedClaim]:
+        return self.plugin.prepared.prepared()
+
+    def mig_grants(self) -> Mapping[tuple[str, str], MigGrant]:
+        """(pod UID, container) -> the device nodes of its claims' MIG instances."""
+        return self.mig.grants() if self.mig is not None else {}
 
     def describe(self) -> str:
         """One line for ``vcuda-agent status``."""

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict, cast
 
+from agent.control.migsharebook import IsolatedShare
 from agent.domain.health import GpuHealth
 from agent.domain.miginventory import encode_mig, mig_entry
 from agent.platform.gpu.migstate import MigDevice, MigInfo
@@ -30,6 +31,17 @@ class MigGeometryStatus(TypedDict):
     reason: str
 
 
+class IsolatedShareStatus(TypedDict):
+    pod: str  # namespace/name
+    podUID: str
+    container: str
+    profile: str
+    uuid: str
+    gi: int
+    cores: int
+    memoryMiB: int
+
+
 class MigStatus(TypedDict):
     mode: str
     pending: str
@@ -37,6 +49,8 @@ class MigStatus(TypedDict):
     strategy: NotRequired[str]  # the node config's: none, single, mixed
     shares: NotRequired[str | None]  # why the GPU offers no vcuda-core/vcuda-memory (None: it does)
     geometry: NotRequired[MigGeometryStatus | None]  # None: no geometry configured for it
+    onDemand: NotRequired[bool]  # serves hardware-isolated shares (mig.onDemand)
+    isolated: NotRequired[list[IsolatedShareStatus]]  # the MIG instances made for shares
 
 
 def mig_statuses(
@@ -82,3 +96,28 @@ def _device_status(device: MigDevice, shared: dict[str, Any], bad: GpuHealth | N
         capDevices=list(device.cap_devices),
     )
     return cast(MigDeviceStatus, fields)
+
+
+def add_isolated_shares(
+    statuses: dict[int, MigStatus], on_demand: frozenset[int], shares: Sequence[IsolatedShare]
+) -> dict[int, MigStatus]:
+    """Each on-demand GPU's isolated shares (``onDemand``, ``isolated``) into ``statuses``."""
+    for index, status in statuses.items():
+        if index not in on_demand:
+            continue
+        status["onDemand"] = True
+        status["isolated"] = [
+            IsolatedShareStatus(
+                pod=f"{s.namespace}/{s.pod}",
+                podUID=s.pod_uid,
+                container=s.container,
+                profile=s.profile,
+                uuid=s.uuid,
+                gi=s.gi,
+                cores=s.cores,
+                memoryMiB=s.memory_mib,
+            )
+            for s in shares
+            if s.gpu == index
+        ]
+    return statuses

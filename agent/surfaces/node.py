@@ -12,8 +12,9 @@ from agent.control.guardtargets import GuardTargets
 from agent.control.health import HealthMonitor
 from agent.control.metricsauth import MetricsAuthorizer
 from agent.control.miggeometry import MigGeometry
-from agent.control.migholdings import MigHoldings
+from agent.control.migholdings import MigHoldings, merged_grants
 from agent.control.migoffers import MigOffers
+from agent.control.migshares import MigShares
 from agent.control.migwatch import MigWatch
 from agent.control.mpssharing import MpsSharing
 from agent.control.supervisor import Supervisor
@@ -29,8 +30,9 @@ from agent.platform.gpu.guarded import GuardedBackend
 from agent.platform.gpu.inventory import GpuBackend, GpuInfo
 from agent.platform.kube.reviews import ReviewClient
 from agent.platform.toolkitconfig import default_paths
-from agent.settings import DevicePluginSettings, MetricsAuth, Settings
+from agent.settings import MIG_SHARES_CHECKPOINT, DevicePluginSettings, MetricsAuth, Settings
 from agent.surfaces.deviceplugin.endpoint import EndpointStatus, PluginEndpoint
+from agent.surfaces.deviceplugin.isolated import IsolatedAllocator
 from agent.surfaces.deviceplugin.migplugins import MigPlugins
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.service import DevicePluginService
@@ -47,10 +49,17 @@ from agent.surfaces.metrics.http import MetricsServer, tls_context
 from agent.surfaces.metrics.kube_collector import AllocationCollector
 from agent.surfaces.metrics.legacy_collector import LegacyCollector
 from agent.surfaces.metrics.mig_collector import MigCollector
+from agent.surfaces.metrics.migshare_collector import MigShareCollector
 from agent.surfaces.metrics.sharing_collector import SharingCollector
 from agent.surfaces.metrics.tracer_collector import TracerCollector
 from agent.surfaces.metrics.xid_collector import XidCollector
-from agent.surfaces.migstatus import MigGeometryStatus, MigStatus, add_mig_config, mig_statuses
+from agent.surfaces.migstatus import (
+    MigGeometryStatus,
+    MigStatus,
+    add_isolated_shares,
+    add_mig_config,
+    mig_statuses,
+)
 from agent.surfaces.sharingnode import build_sharing
 
 log = logging.getLogger(__name__)
@@ -104,7 +113,7 @@ class NodeAgent:
                 bounds=lambda: SpecBounds.of(self.config.node),
                 plugin_gpus=plugin_gpus,
                 mig=self.mig.snapshot,
-                withheld=lambda: frozenset(self.mig_offers.withheld()),
+                withheld=lambda: frozenset(self.service.withheld()),
                 mig_strategy=lambda: str(self.config.node.mig.strategy),
             )
             self.service.allocations = self.kube.allocations
@@ -130,6 +139,9 @@ class NodeAgent:
                 kube=self.kube,
                 responses=responses,
                 sharing=self.sharing,
+                backend=self.backend,
+                mig_watch=self.mig,
+                mig_dynamic=lambda: self.config.node.mig.dynamic,
             )
         elif settings.dra.enabled:
             log.error("--dra needs the Kubernetes API (claims are read from it): not serving DRA")
@@ -173,19 +185,32 @@ class NodeAgent:
         self.mig_offers = MigOffers(
             self.gpus, self.mig, self.board, lambda: self.config.node.mig.strategy, self.geometry.draining
         )
-        self.service.withheld = self.mig_offers.withheld
+        # Isolated shares on demand (mig.onDemand): such a GPU in MIG mode offers its shares.
+        checkpoint = self.settings.enforcement.state_dir / MIG_SHARES_CHECKPOINT
+        self.mig_shares = MigShares(
+            self.backend, self.gpus, self.mig, lambda: self.config.node.mig, checkpoint
+        )
+        self.service.withheld = lambda: self.mig_shares.withheld(self.mig_offers.withheld())
+        self.service.isolated = IsolatedAllocator(self.mig_shares, responses)
         self.mig_holdings: MigHoldings | None = None
         self.mig_plugins = MigPlugins(plugin, self.mig_offers, responses, on_allocate=self._mig_allocated)
+        # Instances made on demand (isolated shares, DRA claims) are their owners', not offers.
+        self.mig_plugins.exclude = lambda: self.mig_shares.on_demand() | self.config.node.mig.dynamic
 
     def _build_mig_kube(self, kube: KubeIntegration) -> None:
         """Events for the geometry; who holds which MIG device, from kubelet, for the guard."""
         self.geometry.events = kube.events
         self.mig_holdings = MigHoldings(kube.truth, kube.pods, self.mig_offers, self.mig_plugins.resources)
+        self.mig_shares.pods = kube.pods
+        kube.allocations.isolated_gpus = self.mig_shares.ready
 
     def _guard_targets(self, kube: KubeIntegration, settings: Settings) -> GuardTargets:
         targets = guard_targets(kube, self.gpus, settings)
         if self.mig_holdings is not None:
-            targets.add_mig(self.mig_holdings.grants, self.mig_plugins.resources)
+            grants = merged_grants(self.mig_holdings.grants, self.mig_shares.grants)
+            targets.add_mig(grants, self.mig_plugins.resources)
+        if self.dra is not None:
+            targets.add_mig_source(self.dra.mig_grants)  # dynamic MIG instances of DRA claims
         return targets
 
     def _collectors(self, settings: Settings) -> CollectorRegistry:
@@ -199,6 +224,7 @@ class NodeAgent:
             registry.register(EnforcementCollector(self.enforcement, self.gpus, settings.node_name))
         registry.register(XidCollector(self.board.xids, self.gpus, settings.node_name))
         registry.register(MigCollector(self.mig.snapshot, self.board, self.gpus, settings.node_name))
+        registry.register(MigShareCollector(self.mig_shares.shares, settings.node_name))
         if self.dra is not None:
             registry.register(DraCollector(self.dra, settings.node_name))
         registry.register(SharingCollector(self.sharing, self.enforcement, self.gpus, settings.node_name))
@@ -240,7 +266,8 @@ class NodeAgent:
         }
         statuses = mig_statuses(infos, self.board.unhealthy_instances())
         strategy = str(self.config.node.mig.strategy)
-        return add_mig_config(statuses, strategy, self.mig_offers.withheld(), geometry)
+        add_mig_config(statuses, strategy, self.service.withheld(), geometry)
+        return add_isolated_shares(statuses, self.mig_shares.on_demand(), self.mig_shares.shares())
 
     def _mig_allocated(self) -> None:
         if self.mig_holdings is not None:
@@ -282,9 +309,12 @@ class NodeAgent:
         self.supervisor.spawn("health", HealthMonitor(self.backend, policy, self.board).run)
         self.supervisor.spawn("mig-inventory", self.mig.run)
         self.geometry.apply_once()  # a geometry the GPUs can take now, before the plugins serve
+        self.mig_shares.adopt()  # the isolated shares of the last run, before kubelet can Allocate
+        self.mig_shares.reconcile_once()  # on-demand GPUs into MIG mode
         self.mig_offers.refresh()
         self.supervisor.spawn("mig-geometry", self.geometry.run)
         self.supervisor.spawn("mig-offers", self.mig_offers.run)
+        self.supervisor.spawn("mig-shares", self.mig_shares.run)
         if self.settings.config_file is not None:
             self.supervisor.spawn("config-watch", self.config.run)
         if self.host is not None:

@@ -13,7 +13,7 @@ import pytest
 
 from agent.control.draledger import ClaimLedger, claim_entries, split
 from agent.domain.annotations import Policy
-from agent.domain.dra import DRIVER, ClaimError, ClaimRef, ClaimShare, claim_ref, claim_shares
+from agent.domain.dra import DRIVER, ClaimError, ClaimRef, ClaimShare, PreparedMig, claim_ref, claim_shares
 from agent.domain.ledger import Assignment, Ledger
 from agent.domain.specs import SpecBounds, build_spec
 from agent.platform.kube.pods import PodInfo, pod_from_json
@@ -82,6 +82,7 @@ def pod_json(
 class Prepared:
     ref: ClaimRef
     shares: tuple[ClaimShare, ...]
+    mig: tuple[PreparedMig, ...] = ()
 
 
 class Claims:

@@ -130,9 +130,11 @@ def test_instances_that_go_lose_their_health_records() -> None:
 def test_the_annotation_carries_the_mig_side_of_mig_gpus_only() -> None:
     entry = mig_entry(MIXED, unhealthy_gis=[5])
     assert entry is not None and mig_entry(NOT_CAPABLE) is None
+    # GPU 0 is in MIG mode, so it offers no shares (withheld): not on demand.
     inventory = build_inventory(
-        "n1", GPUS, Topology(), healthy={}, scaling=1.0, heartbeat=1_735_787_045.0, mig={0: entry, 1: None}
-    )
+        "n1", GPUS, Topology(), healthy={}, scaling=1.0, heartbeat=1_735_787_045.0, mig={0: entry, 1: None},
+        withheld=[0],
+    )  # fmt: skip
     raw = json.loads(encode(inventory))
     assert "mig" not in raw["gpus"][1]
     assert raw["gpus"][0]["mig"] == {

@@ -62,7 +62,7 @@ def test_a_geometry_that_fits_no_gpu_says_why() -> None:
     ("mig", "expected"),
     [
         ("mixed", "mig must be an object, got str"),
-        ({"strategy": "mixed", "layout": {}}, "mig: unknown field 'layout' (known: strategy, geometry)"),
+        ({"strategy": "mixed", "layout": {}}, "mig: unknown field 'layout' (known: strategy, geometry"),
         ({"geometry": ["3g.40gb"]}, "mig.geometry must be an object of GPU index -> list of profiles"),
         ({"geometry": {"gpu0": ["3g.40gb"]}}, "mig.geometry: 'gpu0' is not a GPU index (0..63)"),
         ({"geometry": {"0": "3g.40gb"}}, "mig.geometry['0'] must be a list of MIG profile names"),

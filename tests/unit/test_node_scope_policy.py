@@ -17,6 +17,7 @@ from agent.domain import nodeinventory
 from agent.domain.annotations import (
     CORE_LIMIT,
     GPU_ASSIGNED,
+    ISOLATION,
     POLICY,
     PREDICATE_IDX,
     PREDICATE_IDX_INIT,
@@ -54,7 +55,7 @@ OWN_TOKEN = agent_extra(NODE)
 POD_ANNOTATIONS_WRITTEN = {GPU_ASSIGNED, PREDICATE_NODE, PREDICATE_TIME, PREDICATE_IDX, PREDICATE_IDX_INIT}
 NODE_KEYS_WRITTEN = {INVENTORY_ANNOTATION, PRODUCT_LABEL, COUNT_LABEL, MEMORY_LABEL}
 NODE_STATUS_WRITTEN = {CAPACITY_RESOURCE}
-READ_ONLY = {CORE_LIMIT, POLICY, guardtargets.EXEMPT_ANNOTATION}  # the tenant's or the admin's
+READ_ONLY = {CORE_LIMIT, POLICY, ISOLATION, guardtargets.EXEMPT_ANNOTATION}  # the tenant's or the admin's
 # What Allocate and recovery write on a pod (control/allocations.py, control/recovery.py), keys from the code.
 POD_WRITES: dict[str, str | None] = {
     predicate_key(0, init=False): "0",

@@ -47,6 +47,8 @@ class MigPlugins:
         self._lock = threading.Lock()
         self._endpoints: dict[str, PluginEndpoint] = {}
         self._stopped = False
+        # GPUs whose MIG instances serve isolated shares (mig.onDemand): never offered here.
+        self.exclude: Callable[[], frozenset[int]] = frozenset
 
     def resources(self) -> frozenset[str]:
         """The MIG resources served now."""
@@ -61,7 +63,10 @@ class MigPlugins:
     def sync(self) -> None:
         """Start the plugins of new resources, stop those of resources gone."""
         _, offer = self._offers.current()
-        wanted = set(offer.resources)
+        excluded = self.exclude()
+        wanted = {
+            r for r, devices in offer.resources.items() if any(d.gpu.index not in excluded for d in devices)
+        }
         with self._lock:
             if self._stopped:
                 return
@@ -73,7 +78,9 @@ class MigPlugins:
             settings = dataclasses.replace(
                 self._settings, socket_name=socket_name(resource), resource_name=resource
             )
-            service = MigPluginService(resource, self._offers, self._responses, self._on_allocate)
+            service = MigPluginService(
+                resource, self._offers, self._responses, self._on_allocate, self.exclude
+            )
             endpoint = PluginEndpoint(settings, service)
             try:
                 endpoint.start()

@@ -35,9 +35,12 @@ class MigPluginService(WatchedPlugin):
         offers: MigOffers,
         responses: ResponseBuilder,
         on_allocate: Callable[[], None] = lambda: None,
+        exclude: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
-        """``on_allocate``: told after each Allocate (the device guard's holdings re-read)."""
+        """``on_allocate``: told after each Allocate (the device guard's holdings re-read);
+        ``exclude``: GPUs whose MIG devices are not this plugin's (isolated shares on demand)."""
         self.resource = resource
+        self._exclude = exclude
         self._offers = offers
         self._responses = responses
         self._on_allocate = on_allocate
@@ -47,7 +50,9 @@ class MigPluginService(WatchedPlugin):
 
     def devices(self) -> tuple[int, tuple[OfferedDevice, ...]]:
         version, offer = self._offers.current()
-        return version, offer.resources.get(self.resource, ())
+        excluded = self._exclude()
+        devices = offer.resources.get(self.resource, ())
+        return version, tuple(d for d in devices if d.gpu.index not in excluded)
 
     def device_list(self) -> tuple[int, pb.ListAndWatchResponse]:
         version, devices = self.devices()

@@ -9,6 +9,7 @@ from typing import NoReturn
 import grpc
 
 from agent.control.allocations import Allocations
+from agent.control.migsharebook import ShareKey
 from agent.control.mpsgrants import MpsGrant
 from agent.control.mpssharing import MpsSharing
 from agent.control.recovery import LedgerRecovery
@@ -25,6 +26,7 @@ from agent.errors import (
 )
 from agent.platform.gpu.inventory import GpuInfo, Topology
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
+from agent.surfaces.deviceplugin.isolated import REFUSED_EVENT, IsolatedAllocator, check_plain
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.deviceplugin.watch import Wait, WatchedPlugin
 
@@ -53,6 +55,7 @@ class DevicePluginService(WatchedPlugin):
         self.allocations: Allocations | None = None
         self.recovery: LedgerRecovery | None = None
         self.mps: MpsSharing | None = None  # MPS limits for shares (sharing mode mps/auto)
+        self.isolated: IsolatedAllocator | None = None  # hardware-isolated shares (mig.onDemand)
         # GPUs that offer no shares, and why (in MIG mode: control/migoffers.py); a change
         # touches the health board, which wakes ListAndWatch.
         self.withheld: Callable[[], Mapping[int, str]] = dict
@@ -100,20 +103,34 @@ class DevicePluginService(WatchedPlugin):
         resolved: list[ResolvedRequest] = []
         assigned: list[Assignment] = []
         grants: list[MpsGrant | None] = []
+        isolated: dict[int, pb.ContainerAllocateResponse] = {}  # position -> a MIG instance's answer
+        keys: list[ShareKey] = []
         for creq in request.container_requests:
             try:
                 item = resolve_ids(self._gpus, creq.devices_ids, self._table)
                 self._check_healthy(item)
                 assignment = None
-                if self.allocations is not None:
+                if self.isolated is not None and self.isolated.serves(item):
+                    assignment, key, answer = self.isolated.allocate(
+                        self.allocations, list(creq.devices_ids), item
+                    )
+                    assigned.append(assignment)
+                    keys.append(key)
+                    isolated[len(resolved)] = answer
+                elif self.allocations is not None:
                     assignment = self.allocations.allocate(list(creq.devices_ids), item)
                     assigned.append(assignment)
+                    self._check_plain(assignment)
             except VcudaError as err:
-                self._undo(assigned)
+                self._undo(assigned, keys)
                 _abort(context, err, "Allocate")
+            plain = len(resolved) not in isolated  # a MIG instance needs no MPS limits
             resolved.append(item)
-            grants.append(self.mps.grant_for(item, assignment) if self.mps is not None else None)
-        responses = [self._responses.build(r, g) for r, g in zip(resolved, grants, strict=True)]
+            grants.append(self.mps.grant_for(item, assignment) if plain and self.mps is not None else None)
+        responses = [
+            isolated.get(i) or self._responses.build(r, g)
+            for i, (r, g) in enumerate(zip(resolved, grants, strict=True))
+        ]
         response = pb.AllocateResponse(container_responses=responses)
         if self.allocations is None:
             for item in resolved:
@@ -122,8 +139,19 @@ class DevicePluginService(WatchedPlugin):
                 )
         return response
 
-    def _undo(self, assigned: list[Assignment]) -> None:
+    def _check_plain(self, assignment: Assignment) -> None:
+        try:
+            check_plain(self.allocations, assignment)
+        except VcudaError as err:
+            if self.allocations is not None:
+                self.allocations.pod_event(assignment, REFUSED_EVENT, str(err))
+            raise
+
+    def _undo(self, assigned: list[Assignment], keys: list[ShareKey] | None = None) -> None:
         # kubelet retries the whole request; containers matched before the failure must be free again.
+        if self.isolated is not None:
+            for key in keys or ():
+                self.isolated.undo(key)
         if self.allocations is not None:
             for item in assigned:
                 self.allocations.ledger.release(item.pod_uid, item.container)

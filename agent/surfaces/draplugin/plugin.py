@@ -12,6 +12,7 @@ from agent.platform.gpu.inventory import GpuInfo
 from agent.settings import DraSettings
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
 from agent.surfaces.draplugin.endpoint import DraEndpointStatus, DraPluginEndpoint
+from agent.surfaces.draplugin.migprepare import MigPrepare
 from agent.surfaces.draplugin.preparer import ClaimPreparer, ClaimReader, MpsGrants
 
 
@@ -33,6 +34,7 @@ class DraKubeletPlugin:
         default_policy: Callable[[], str] = lambda: "fixed-share",
         ceiling: Callable[[ClaimShare], int] | None = None,
         agent_dev_root: Path | None = None,
+        dynamic_mig: MigPrepare | None = None,
     ) -> None:
         self.settings = settings
         self.prepared = PreparedClaims(settings.checkpoint_dir)
@@ -48,6 +50,7 @@ class DraKubeletPlugin:
             default_policy=default_policy,
             ceiling=ceiling,
             agent_dev_root=agent_dev_root,
+            dynamic_mig=dynamic_mig,
         )
         self.endpoint = DraPluginEndpoint(settings, self.preparer)
 

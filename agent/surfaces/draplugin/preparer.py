@@ -9,6 +9,11 @@ edits are what Allocate hands a device-plugin container for the same cores on th
 nodes, driver mounts, ``VCUDA_*`` and ``CUDA_MPS_*`` environment), plus /dev/nvidia-modeset
 where the host has it. With the ``cdi`` device-list strategy the device also carries
 ``nvidia.com/gpu=<uuid>``, so NVIDIA's own spec supplies the driver files, as with Allocate.
+
+A share that a MIG instance serves (dynamic MIG, agent/surfaces/draplugin/migprepare.py) gets
+the instance created first and the MIG device's edits instead; the instances are recorded with
+the claim, destroyed again when a later share of the claim fails, and destroyed by unprepare
+before the record goes (a refusal keeps the record: kubelet asks again).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from agent.domain.dra import (
     ClaimShare,
     PreparedClaim,
     PreparedDevice,
+    PreparedMig,
     cdi_device_name,
     claim_ref,
     claim_shares,
@@ -36,13 +42,10 @@ from agent.domain.dra import (
 )
 from agent.domain.health import HealthBoard
 from agent.domain.requests import ResolvedRequest
-from agent.errors import GpuUnhealthyError, NoSuchGpuError, PlatformError
+from agent.errors import GpuUnhealthyError, NoSuchGpuError, PlatformError, VcudaError
 from agent.platform.cdi import (
     CdiDevice,
     ContainerEdits,
-    DeviceNode,
-    Mount,
-    env_list,
     qualified_name,
     remove_spec,
     spec_json,
@@ -51,10 +54,10 @@ from agent.platform.cdi import (
 )
 from agent.platform.gpu.inventory import GpuInfo
 from agent.surfaces.deviceplugin.responses import ResponseBuilder
+from agent.surfaces.draplugin.migprepare import MigPrepare, response_edits, wants_mig
 
 log = logging.getLogger(__name__)
 
-MODESET = "/dev/nvidia-modeset"
 CLAIM_ANNOTATION = f"{DRIVER}/claim"
 _LOCK_STRIPES = 64  # prepares of different claims run in parallel; of one claim, one at a time
 
@@ -82,8 +85,10 @@ class ClaimPreparer:
         default_policy: Callable[[], str] = lambda: "fixed-share",
         ceiling: Callable[[ClaimShare], int] | None = None,
         agent_dev_root: Path | None = None,
+        dynamic_mig: MigPrepare | None = None,
     ) -> None:
         self.node_name = node_name
+        self.mig = dynamic_mig
         self._gpus = {g.index: g for g in gpus}
         self._claims = claims
         self._responses = responses
@@ -121,17 +126,24 @@ class ClaimPreparer:
                 raise ClaimError(f"claim {ref.key}: {err}") from err
             if not shares:
                 raise ClaimError(f"claim {ref.key} has no device of driver {DRIVER} allocated")
-            devices, prepared = self._devices(ref, shares)
-            path = self.spec_path(ref.uid)
-            write_spec(path, spec_json(CDI_KIND, devices, {CLAIM_ANNOTATION: ref.key}))
-            result = PreparedClaim(ref, tuple(shares), tuple(prepared))
+            migs: list[PreparedMig] = []
+            try:
+                devices, prepared = self._devices(ref, shares, migs)
+                path = self.spec_path(ref.uid)
+                write_spec(path, spec_json(CDI_KIND, devices, {CLAIM_ANNOTATION: ref.key}))
+            except VcudaError:
+                self._undo(ref, migs)
+                raise
+            result = PreparedClaim(ref, tuple(shares), tuple(prepared), tuple(migs))
             try:
                 self.store.add(result)
             except PlatformError:
                 # Not recorded means not prepared: kubelet will ask again, and must not find a
-                # spec that a restarted agent would not know to remove.
+                # spec (or an instance) that a restarted agent would not know to remove.
                 remove_spec(path)
+                self._undo(ref, migs)
                 raise
+            self._settle(migs)
         log.info(
             "prepared claim %s (%s): %s",
             ref.key,
@@ -144,6 +156,11 @@ class ClaimPreparer:
         """Remove the claim's spec and record; an unknown claim is already unprepared."""
         _check_ref(ref)
         with self._lock(ref.uid):
+            held = self.store.get(ref.uid)
+            for mig in held.mig if held is not None else ():
+                if self.mig is None:
+                    raise ClaimError(f"claim {ref.key} holds MIG {mig.uuid}, and dynamic MIG is off")
+                self.mig.destroy(ref, mig)  # refused: the record stays, kubelet asks again
             removed = remove_spec(self.spec_path(ref.uid))
             known = self.store.remove(ref.uid)
         if known is not None or removed:
@@ -151,14 +168,25 @@ class ClaimPreparer:
 
     # Devices and their edits -----------------------------------------------------------------
     def _devices(
-        self, ref: ClaimRef, shares: Sequence[ClaimShare]
+        self, ref: ClaimRef, shares: Sequence[ClaimShare], migs: list[PreparedMig]
     ) -> tuple[list[CdiDevice], list[PreparedDevice]]:
+        """The CDI devices and answers; each MIG instance created is appended to ``migs``."""
         devices: list[CdiDevice] = []
         prepared: list[PreparedDevice] = []
         for share in shares:
             gpu = self._gpu(ref, share)
             name = cdi_device_name(ref.uid, share.request, share.gpu_index, [d.name for d in devices])
-            edits, more_ids = self._edits(share, gpu)
+            if self.mig is not None and self.mig.wants(share):
+                mig, device = self.mig.create(ref, share)
+                migs.append(mig)
+                edits, more_ids = self.mig.edits(device, gpu)
+            elif wants_mig(share, frozenset()):
+                raise ClaimError(
+                    f"claim {ref.key}: {share.device} needs a MIG instance, and dynamic MIG is off on node "
+                    f"{self.node_name} (node config mig.dynamic)"
+                )
+            else:
+                edits, more_ids = self._edits(share, gpu)
             devices.append(CdiDevice(name, edits))
             ids = (qualified_name(CDI_KIND, name), *more_ids)
             prepared.append(PreparedDevice((share.request,), share.pool, share.device, ids))
@@ -185,13 +213,22 @@ class ClaimPreparer:
         if self._mps is not None and not request.whole:
             grant = self._mps.grant_share(gpu, self._ceiling(share), share.memory_mib or None)
         response = self._responses.build(request, grant)
-        nodes = [DeviceNode(d.container_path, d.host_path, d.permissions or "rw") for d in response.devices]
-        if nodes and (self._agent_dev_root / MODESET.lstrip("/")).exists():
-            host = self._responses.dev_root / MODESET.lstrip("/")
-            nodes.append(DeviceNode(MODESET, str(host), "rw"))
-        mounts = tuple(Mount(m.container_path, m.host_path, m.read_only) for m in response.mounts)
-        edits = ContainerEdits(env_list(dict(response.envs)), tuple(nodes), mounts)
+        edits = response_edits(response, self._responses, self._agent_dev_root)
         return edits, tuple(d.name for d in response.cdi_devices)
+
+    def _undo(self, ref: ClaimRef, migs: Sequence[PreparedMig]) -> None:
+        """Destroy the instances a failed prepare created (what stays is cleaned up later)."""
+        for mig in migs:
+            try:
+                if self.mig is not None:
+                    self.mig.destroy(ref, mig)
+            except VcudaError as err:
+                log.warning("claim %s: %s (the periodic cleanup tries again)", ref.key, err)
+        self._settle(migs)
+
+    def _settle(self, migs: Sequence[PreparedMig]) -> None:
+        if self.mig is not None and migs:
+            self.mig.mig.settle([(m.gpu_index, m.gi) for m in migs])
 
     def _lock(self, uid: str) -> threading.Lock:
         return self._locks[hash(uid) % _LOCK_STRIPES]

@@ -4,7 +4,10 @@ Pods that ask for neither ``nvidia.com/vcuda-core`` nor ``nvidia.com/vcuda-memor
 through: filter returns the candidate nodes as they came, prioritize scores every node 0,
 bind creates the Binding as is. A body that does not name either resource is passed through
 without even parsing the pod. An invalid GPU request puts every node into
-``failedAndUnresolvableNodes`` with the reason (preempting pods would not help it).
+``failedAndUnresolvableNodes`` with the reason (preempting pods would not help it); so does
+an ``nvidia.com/vcuda-isolation`` annotation other than ``mig``. A pod annotated
+``nvidia.com/vcuda-isolation: mig`` is filtered to the nodes where a MIG instance for each of
+its containers still fits on a GPU serving isolated shares (``domain/isolatedfit.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.control.extenderbind import Binder, BindError
-from agent.control.extenderview import ExtenderView
+from agent.control.extenderview import ExtenderView, isolated_pod
 from agent.domain.schedrequest import PodDemand, SchedulingRequestError, pod_demand
 from agent.errors import PodFormatError
 from agent.platform.kube.pods import pod_from_json
@@ -35,14 +38,14 @@ class ExtenderService:
         if not wire.may_want_gpu(body):
             return wire.pass_through(args)
         try:
-            demand = _demand(args.pod)
+            demand, isolated = _demand(args.pod)
         except SchedulingRequestError as err:
             return wire.unresolvable(args, str(err))
         if demand is None:
             return wire.pass_through(args)
         if args.nodes is not None:
             self.view.observe_nodes(args.nodes)
-        passed, failed = self.view.filter(demand, args.node_names)
+        passed, failed = self.view.filter(demand, args.node_names, isolated)
         return wire.filter_result(args, passed, failed)
 
     def prioritize(self, body: bytes) -> list[dict[str, Any]]:
@@ -50,13 +53,13 @@ class ExtenderService:
         scores: Mapping[str, int] = {}
         if wire.may_want_gpu(body):
             try:
-                demand = _demand(args.pod)
+                demand, isolated = _demand(args.pod)
             except SchedulingRequestError:
-                demand = None  # filter has rejected every node already
+                demand, isolated = None, False  # filter has rejected every node already
             if demand is not None:
                 if args.nodes is not None:
                     self.view.observe_nodes(args.nodes)
-                scores = self.view.prioritize(demand, args.node_names)
+                scores = self.view.prioritize(demand, args.node_names, isolated)
         return wire.priority_list(args.node_names, scores)
 
     def bind(self, body: bytes) -> dict[str, Any]:
@@ -69,9 +72,11 @@ class ExtenderService:
         return wire.binding_result()
 
 
-def _demand(pod: Mapping[str, Any]) -> PodDemand | None:
+def _demand(pod: Mapping[str, Any]) -> tuple[PodDemand | None, bool]:
+    """The pod's GPU demand, and whether it asks for hardware-isolated shares."""
     try:
         info = pod_from_json(pod)
     except PodFormatError as err:
         raise SchedulingRequestError(f"the pod in the request cannot be read: {err}") from err
-    return pod_demand(info)
+    demand = pod_demand(info)
+    return demand, demand is not None and isolated_pod(info)
