@@ -80,6 +80,9 @@ class EnforcementIntegration:
         self.sharing = sharing
         self.dra_state: Callable[[], str] = lambda: "off"  # the node agent sets it under --dra
         self.mig_state: Callable[[], Mapping[int, MigStatus]] = dict  # the node agent sets it
+        # The node agent sets it: GPUs whose shares are MIG instances (mig.onDemand). The
+        # hardware holds those shares; the controller leaves their containers alone.
+        self.hardware_held: Callable[[], frozenset[int]] = frozenset
         # The node agent sets it: the NVIDIA_VISIBLE_DEVICES hole's (state, detail).
         self.visible_devices_hole: Callable[[], tuple[str, str]] = lambda: ("unknown", "not checked")
         self._clock = clock or SystemClock()
@@ -91,7 +94,7 @@ class EnforcementIntegration:
         self.enforcer = Enforcer(
             gpus=[g.index for g in self._gpus],
             samples=backend,
-            specs=kube.specs,
+            specs=self.controlled_specs,
             owner_of=host.processes.get,
             locate=self.locate,
             actuator=self.actuator,
@@ -191,6 +194,13 @@ class EnforcementIntegration:
             pod = self._kube.pods.get(key.partition("/")[0])
             if pod is not None:
                 self._kube.events.pod(pod, MIXED_USERS_REASON, why)
+
+    def controlled_specs(self) -> list[EnforcementSpec]:
+        """The specs the compute-cap loop holds: all but those on GPUs that serve shares as
+        MIG instances (no software limit is needed there, and NVML has no utilization of a
+        GPU in MIG mode to hold them with)."""
+        held = self.hardware_held()
+        return [s for s in self._kube.specs() if not (s.gpus and held.intersection(s.gpus))]
 
     def locate(self, spec: EnforcementSpec) -> ThrottleTarget | None:
         """The container's freezer directory: its v2 scope when there is a v2 hierarchy (the

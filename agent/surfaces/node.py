@@ -171,6 +171,7 @@ class NodeAgent:
         if self.enforcement is not None:
             self.enforcement.visible_devices_hole = self.visible_devices_hole
             self.enforcement.mig_state = self.mig_status
+            self.enforcement.hardware_held = self.mig_shares.on_demand
         self.registry = self._collectors(settings)
         self.metrics: MetricsServer | None = None
         self.metrics_auth: MetricsAuthorizer | None = None
