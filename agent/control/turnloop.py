@@ -334,7 +334,7 @@ class TurnLoop:
                 state.frozen_at[key] = now
             state.pending.append((now, key, False))
         starting = [owner] if owner is not None else sorted(state.yielding)
-        start = now + self._guard(gpu, now, set(starting))
+        start = now + min(self.settings.max_drain_wait_s, self._guard(gpu, now, set(starting)))
         for key in starting:
             state.pending.append((start, key, True))
         if owner is not None:

@@ -47,6 +47,12 @@ class TurnSettings:
     min_thaw_s: float = 0.01  # the shortest thaw: enough for a frozen process to submit again
     max_wait_s: float = 8.0  # nobody waits frozen longer for its next turn
     max_turn_s: float = 2.0  # the longest thaw of one turn
+    # A turn waits at most this long for the work the others frozen for it still run (their
+    # drains) before its owner is thawed beside that work. Longer waits kept each turn's
+    # device samples its own, but left the owner frozen behind a neighbour's graph or deep
+    # queue for up to seconds: its guarantee taken by the neighbour's queue depth
+    # (docs/benchmarks.md: the drain wait, side by side).
+    max_drain_wait_s: float = 0.05
     # Whether unheld containers with a target of their own yield to held ones' turns. They do
     # not (False): under their cap they are owed what they use, and a container frozen for
     # others' turns loses its own time (one that thinks between steps starves); best-effort

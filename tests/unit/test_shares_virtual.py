@@ -215,8 +215,8 @@ class MixRun:
 
 # The first 12 mixes of bench/scenarios.py's default run (seed 0, 40 s, settle 5 s).
 MIX_SEED, MIXES, MIX_SECONDS, MIX_SETTLE_S = 0, 12, 40.0, 5.0
-MEAN_OVERSHOOT_PP = 10.0  # per mix; today at most 7.8 (mix 7), mean 1.4
-LONGEST_HELD_FREEZE_S = 15.0  # today at most 14.0 (mix 5, its first wait); see the xfail below
+MEAN_OVERSHOOT_PP = 10.0  # per mix; today at most 7.4 (mix 5), mean 1.9
+LONGEST_HELD_FREEZE_S = 10.0  # today at most 8.2 (mix 3)
 MAX_WAIT_S = TurnSettings().max_wait_s
 
 
@@ -264,41 +264,23 @@ def test_a_random_mix_is_held_without_leaving_anyone_frozen_or_freezing_best_eff
     assert run.longest_held_freeze() <= LONGEST_HELD_FREEZE_S
 
 
-@pytest.mark.parametrize(
-    "index",
-    [
-        pytest.param(
-            i,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason={
-                    5: "measured 14.0 s: a fixed 7 on 21.6 ms graphs (unholdable) waits 14 s frozen "
-                    "for its first turn, 8.05 s for the later ones",
-                    8: "measured 9.05 s: a burst 9-93 on 34.7 ms steps beside three neighbours waits "
-                    "up to a second past the longest wait",
-                }[i],
-            ),
-        )
-        if i in (5, 8)
-        else i
-        for i in range(MIXES)
-    ],
-    ids=[f"mix{i}" for i in range(MIXES)],
-)
+@pytest.mark.parametrize("index", range(MIXES), ids=[f"mix{i}" for i in range(MIXES)])
 def test_no_capped_container_waits_frozen_longer_than_the_longest_wait(
     mix_runs: list[MixRun], index: int
 ) -> None:
     """docs/enforcement.md: a held container gets a turn at least every --control-max-wait
-    (8 s); two periods of slack for the turn's edges."""
+    (8 s); two periods of slack for the turn's edges. (It failed in mixes 5 and 8, by 6 s and
+    1 s, while a turn waited for the others' drains before its owner was thawed.)"""
     assert mix_runs[index].longest_held_freeze() <= MAX_WAIT_S + 2 * PERIOD
 
 
 def test_the_random_mixes_figures_hold_todays_level(mix_runs: list[MixRun]) -> None:
     """bench/scenarios.py's figures over the 12 mixes, against today's with a margin: the
     share of (container, phase)s within 3 pp of what it should get (target: all of them;
-    today 0.37), the GPU idle while a short container was frozen with work (target 0; today
-    20.7 %) and the mean overshoot over the mixes (today 1.4 pp)."""
+    today 0.32, on other seeds 0.40-0.54), the GPU idle while a short container was frozen
+    with work (target 0; today 13.2 %, 20.7 % while turns waited for drains) and the mean
+    overshoot over the mixes (today 1.9 pp)."""
     got = figures([r.score for r in mix_runs])
     assert got["within3"] >= 0.30, got
-    assert got["idle_while_short_pct"] <= 27.0, got
+    assert got["idle_while_short_pct"] <= 18.0, got
     assert sum(r.overshoot() for r in mix_runs) / len(mix_runs) <= 3.0
