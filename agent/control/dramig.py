@@ -65,10 +65,21 @@ class DynamicMig:
         self._locks = {g.index: lock for g in gpus}
         self._told: dict[int, str] = {}  # the last reason logged per GPU
         self._unsettled: set[tuple[int, int]] = set()  # (GPU, GI) created, not yet recorded
+        self._ignored: frozenset[int] = frozenset()  # configured, but not DRA GPUs (told once)
 
     def gpus(self) -> frozenset[int]:
-        """The DRA GPUs on dynamic MIG (the config may name GPUs DRA does not have)."""
-        return frozenset(i for i in self._dynamic() if i in self._gpus)
+        """The DRA GPUs on dynamic MIG (the config may name GPUs DRA does not have: those are
+        left out, with a warning each time the list of them changes)."""
+        wanted = frozenset(self._dynamic())
+        ignored = wanted - self._gpus.keys()
+        if ignored != self._ignored:
+            self._ignored = ignored
+            if ignored:
+                log.warning(
+                    "mig.dynamic names GPU(s) %s that DRA does not serve (see --dra-gpus): left as they are",
+                    ",".join(map(str, sorted(ignored))),
+                )
+        return wanted - ignored
 
     def product(self, index: int) -> MigProduct | None:
         gpu = self._gpus.get(index)

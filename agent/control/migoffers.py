@@ -46,6 +46,9 @@ class MigOffers:
         self._changed = threading.Condition()
         self._offer = MigOffer()
         self._version = 0
+        # The node agent sets it: GPUs whose MIG mode serves shares (mig.onDemand), whose
+        # withholding here is not what they offer (control/migshares.py says that).
+        self.serving_shares: Callable[[], Iterable[int]] = set
 
     def current(self) -> tuple[int, MigOffer]:
         with self._changed:
@@ -75,7 +78,7 @@ class MigOffers:
             self._offer = offer
             self._version += 1
             self._changed.notify_all()
-        _log_change(before, offer)
+        _log_change(before, offer, set(self.serving_shares()))
         if offer.withheld != before.withheld:
             self._board.touch()
         return True
@@ -98,9 +101,9 @@ class MigOffers:
             seen = self._board.wait_for_change(seen, self._poll_s, abort=stop)
 
 
-def _log_change(before: MigOffer, offer: MigOffer) -> None:
+def _log_change(before: MigOffer, offer: MigOffer, quiet: set[int]) -> None:
     for index, why in sorted(offer.withheld.items()):
-        if before.withheld.get(index) != why:
+        if before.withheld.get(index) != why and index not in quiet:
             log.info("GPU %d offers no vcuda-core or vcuda-memory: %s", index, why)
     for index in sorted(set(before.withheld) - set(offer.withheld)):
         log.info("GPU %d offers vcuda-core and vcuda-memory again", index)

@@ -192,6 +192,7 @@ class NodeAgent:
             self.backend, self.gpus, self.mig, lambda: self.config.node.mig, checkpoint
         )
         self.service.withheld = lambda: self.mig_shares.withheld(self.mig_offers.withheld())
+        self.mig_offers.serving_shares = self.mig_shares.on_demand
         self.service.isolated = IsolatedAllocator(self.mig_shares, responses)
         self.mig_holdings: MigHoldings | None = None
         self.mig_plugins = MigPlugins(plugin, self.mig_offers, responses, on_allocate=self._mig_allocated)

@@ -183,3 +183,16 @@ def test_a_gpu_not_ready_for_dynamic_mig_is_refused_and_not_published(info: MigI
     with pytest.raises(DynamicMigError, match="not on dynamic MIG"):
         DynamicMig(_Backend(info), GPUS[:1], frozenset, watch).create(0, one, Placement(0, 1))  # type: ignore[arg-type]
     mig.reconcile(set())  # no instance to destroy; MIG mode off with a process on the GPU: left alone
+
+
+def test_a_dynamic_gpu_that_dra_does_not_serve_is_left_out_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    info = MigInfo(capable=True, current=True, pending=False)
+    watch = SimpleNamespace(snapshot=lambda: (1, {0: info}), refresh=lambda: False)
+    mig = DynamicMig(_Backend(info), GPUS[:1], lambda: {0, 5}, watch)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="agent.control.dramig"):
+        assert mig.gpus() == {0}
+        assert mig.gpus() == {0}
+    told = [r.getMessage() for r in caplog.records if "DRA does not serve" in r.getMessage()]
+    assert told == ["mig.dynamic names GPU(s) 5 that DRA does not serve (see --dra-gpus): left as they are"]
