@@ -24,11 +24,14 @@ On cgroup v1 a gated container that is handed a GPU outside its pod's set does n
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/runtime: the private containerd
 
 from agent.control.deviceguard import DeviceGuard, GuardTarget
 from agent.control.podgate import PodGate, gate_rules
