@@ -105,7 +105,7 @@ def main() -> int:
             ok, seconds, tail = run_once(bench_args, args.timeout)
             failed += not ok
             result = tail.splitlines()[-1] if ok else "FAILED"
-            print(f"{name} run {attempt}/{args.times}: {seconds:6.1f} s  {result[:160]}", flush=True)
+            print(f"{name} run {attempt}/{args.times}: {seconds:6.1f} s  {result}", flush=True)
             if not ok:
                 print("    " + tail.replace("\n", "\n    "), flush=True)
     print(f"RESULT benches={len(benches)} runs={len(benches) * args.times} failed={failed}")
