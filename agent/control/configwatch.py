@@ -7,7 +7,8 @@ import threading
 from pathlib import Path
 
 from agent.domain.nodeconfig import ClusterConfig, NodeConfig, parse_config
-from agent.errors import ConfigError
+from agent.errors import ConfigError, PlatformError
+from agent.platform.atomicfile import read_text
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ class ConfigWatch:
         self._path = path
         self._node_name = node_name
         self._config = initial
-        self._text = path.read_text() if path else None
+        self._text = _read(path) if path else None
         self._period = period_s
         self._lock = threading.Lock()
         self.rejected = 0  # reloads refused because the new config was invalid
@@ -34,9 +35,9 @@ class ConfigWatch:
         if self._path is None:
             return False
         try:
-            text = self._path.read_text()
-        except (OSError, UnicodeDecodeError) as err:  # not UTF-8: as unreadable as a missing file
-            log.error("config reload: cannot read %s (%s); keeping the current config", self._path, err)
+            text = _read(self._path)
+        except PlatformError as err:  # not UTF-8: as unreadable as a missing file
+            log.error("config reload: %s; keeping the current config", err)
             return False
         if text == self._text:
             return False
@@ -56,3 +57,11 @@ class ConfigWatch:
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self._period):
             self.reload()
+
+
+def _read(path: Path) -> str:
+    """The config file's text; PlatformError when it is missing or cannot be read."""
+    text = read_text(path)
+    if text is None:
+        raise PlatformError(f"cannot read {path}: no such file")
+    return text

@@ -20,7 +20,7 @@ from typing import Any
 
 from agent.domain.dra import ClaimRef, ClaimShare, PreparedClaim, PreparedDevice, PreparedMig
 from agent.errors import PlatformError
-from agent.platform.atomicfile import remove, write_atomic
+from agent.platform.atomicfile import ensure_dir, read_text, remove, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,7 @@ class PreparedClaims:
     def _save(self, claim: PreparedClaim) -> None:
         path = self._path(claim.ref.uid)
         data = {"version": CHECKPOINT_VERSION, **_claim_json(claim)}
-        try:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise PlatformError(f"cannot create {self.checkpoint_dir}: {err}") from err
+        ensure_dir(self.checkpoint_dir)
         write_atomic(path, json.dumps(data, sort_keys=True).encode(), mode=0o600)
 
     def _load(self) -> dict[str, PreparedClaim]:
@@ -118,13 +115,13 @@ class PreparedClaims:
         claims: dict[str, PreparedClaim] = {}
         for path in paths:
             try:
-                raw = json.loads(path.read_text())
+                raw = json.loads(read_text(path) or "")
                 if raw.get("version") != CHECKPOINT_VERSION:
                     raise ValueError(f"version {raw.get('version')!r}, expected {CHECKPOINT_VERSION}")
                 claim = _claim_from(raw)
                 if path.name != f"{claim.ref.uid}.json":
                     raise ValueError(f"it records claim UID {claim.ref.uid}")
-            except (OSError, *_UNREADABLE) as err:
+            except (PlatformError, *_UNREADABLE) as err:
                 # Skipping it is what a node without the file does: kubelet prepares again what
                 # it still needs, and unpreparing an unknown claim still removes its CDI spec.
                 log.error("ignoring the unreadable DRA checkpoint file %s: %s", path, err)

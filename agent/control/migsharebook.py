@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.platform.atomicfile import write_atomic
+from agent.errors import PlatformError
+from agent.platform.atomicfile import read_text, write_atomic
 from agent.platform.gpu.migstate import MigDevice
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,12 @@ def save_shares(path: Path, shares: list[IsolatedShare]) -> None:
 def load_shares(path: Path) -> tuple[list[IsolatedShare], bool]:
     """(the shares, whether the file could be read: a missing file can)."""
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return [], True
-    except OSError as err:
-        log.error("cannot read the isolated shares' checkpoint %s: %s", path, err)
+        text = read_text(path)
+    except PlatformError as err:
+        log.error("the isolated shares' checkpoint: %s", err)
         return [], False
+    if text is None:
+        return [], True
     try:
         raw = json.loads(text)
         if not isinstance(raw, dict) or raw.get("version") != VERSION:
