@@ -59,17 +59,20 @@ CAP = 5  # 16 containers at 6.25 % each: every one over its cap (+1 pp), held
 
 
 class SyntheticSamples:
-    """Each container's process at 10 % every 0.2 s, like a sampling driver; the device
-    busy throughout (every container over its cap, whoever is thawed: the worst case)."""
+    """A sampling driver every 0.2 s: one per-process sample per tick, crediting the process
+    resident at that instant (the GPU's containers in turn) with 60 % SM activity, as the
+    driver's perfmon ring does (docs/gpu-model.md); the device busy throughout (every
+    container over its cap, whoever is thawed: the worst case). (It credited every process
+    at every tick until 2026-12-02: 16 times the driver's per-process samples.)"""
 
     def __init__(self) -> None:
         self.pids = {g: [1000 + g * PER_GPU + i for i in range(PER_GPU)] for g in range(GPUS)}
 
     def process_samples(self, index: int, since_us: int) -> list[ProcessSample]:
-        now_us = int(time.time() * 5) * 200_000  # a new driver tick every 0.2 s
-        if now_us <= since_us:
-            return []
-        return [ProcessSample(pid, now_us, 10) for pid in self.pids[index]]
+        tick = int(time.time() * 5)  # a new driver tick every 0.2 s
+        first = max(tick - 71, since_us // 200_000 + 1)  # the ring keeps 72
+        pids = self.pids[index]
+        return [ProcessSample(pids[t % len(pids)], t * 200_000, 60) for t in range(first, tick + 1)]
 
     def device_utilization(self, index: int) -> int:
         return 100
