@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.control.containers import ContainerControl
+from agent.control.turnfigures import update_figures
 from agent.control.turnmeter import TurnMeter
 from agent.domain.annotations import Policy
 from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
@@ -42,8 +43,6 @@ BOOKED_PERCENT = 95.0  # active containers' targets add up to this much
 USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
 ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
 YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
-FIGURES_S = 10.0  # duty and cycle: over the turns of this long...
-FIGURES_EVERY_S = 1.0  # ...worked out this often per held container
 SLOT_S = 0.004  # actions this close together go in one wake-up
 FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a drain to show over in the samples
 MIN_CYCLE_S = 0.2  # the shortest cycle of turns
@@ -406,47 +405,13 @@ class TurnLoop:
         return set(self.meter.gpus[gpu].accounts)
 
     def _figures(self, gpu: int, control: ContainerControl, held: bool, now: float) -> None:
-        """Duty (share of the recent time it was thawed), cycle (mean time between its turns),
-        drain, and whether its cap can be held at all."""
         state = self._gpus[gpu]
-        model = self.meter.gpus[gpu].attribution.models.get(control.key)
-        if model is not None:
-            control.state.drain_s = model.drain_s
-        if not held:
-            control.state.duty, control.cycle_s, control.unholdable = 1.0, 0.0, ""
-            state.figured.pop(control.key, None)
-            return
-        if now - state.figured.get(control.key, -math.inf) < FIGURES_EVERY_S:
-            return  # status figures over 10 s: once a second is fresh enough
-        state.figured[control.key] = now
-        thaws = state.thaws.get(control.key, collections.deque())
-        while thaws and thaws[0][1] < now - FIGURES_S:
-            thaws.popleft()
-        since = max(now - FIGURES_S, thaws[0][0]) if thaws else now - FIGURES_S
-        thawed = sum(min(end, now) - max(start, since) for start, end in thaws if min(end, now) > since)
-        control.state.duty = min(1.0, thawed / max(now - since, 1e-9))
-        starts = [s for s, _e in thaws]
-        control.cycle_s = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else 0.0
-        if model is None:
-            control.unholdable = ""
-        elif model.runs_on_s > model.drain_s:
-            control.unholdable = self._unholdable(control, model.runs_on_s, "at least")
-        else:
-            control.unholdable = self._unholdable(control, model.drain_s, "about")
-
-    def _unholdable(self, control: ContainerControl, unit_s: float, about: str) -> str:
-        """Why its cap cannot be held by freezing: the work that runs on after each freeze
-        needs a longer wait to be paid for than anybody is kept frozen."""
-        goal = control.goal
-        if goal is None or goal <= 0 or unit_s <= 0:
-            return ""
-        wait = unit_s * (100 / goal - 1)
-        if wait <= self.settings.max_wait_s:
-            return ""
-        return (
-            f"{about} {unit_s:.1f} s of GPU work runs on after every freeze (a deep queue, a long graph or "
-            f"step): a {goal:.0f} % share needs it frozen {wait:.0f} s after each turn and the freezer "
-            f"waits at most {self.settings.max_wait_s:.0f} s; MPS limits hold it (sharingMode: mps with "
-            "mpsAdvisoryLimits: true, which a tenant can lift: trusted tenants only), or shorter kernels "
-            "and more frequent syncs"
+        update_figures(
+            control,
+            self.meter.gpus[gpu].attribution.models.get(control.key),
+            state.thaws.get(control.key, collections.deque()),
+            state.figured,
+            held=held,
+            now=now,
+            max_wait_s=self.settings.max_wait_s,
         )
