@@ -43,7 +43,6 @@ from agent.platform.freezejournal import JournalError
 
 log = logging.getLogger(__name__)
 
-FREEZE_SLOT_S = 0.004  # actions due this close together share one wake-up
 IDLE_READ_S = 1.0  # a GPU with no container under control is read this often
 NOT_FOUND = "the container's cgroup was not found (yet)"
 FEEDBACKS = ("device", "nvml")  # turns on device samples (default), or duty cycles on NVML's samples
@@ -177,7 +176,7 @@ class Enforcer:
             # Everything due within the next slot goes in this wake-up.
             now = self._clock.monotonic()
             with self._lock:
-                while queue and queue[0][0] <= now + FREEZE_SLOT_S:
+                while queue and queue[0][0] <= now + self.turns.settings.slot_s:
                     _, _, control, freeze = heapq.heappop(queue)
                     if freeze and not control.frozen and control.throttled:
                         self._freeze(control)

@@ -35,21 +35,6 @@ from agent.control.turnmeter import TurnMeter
 from agent.domain.annotations import Policy
 from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
 
-ACTIVE_PERCENT = 5.0  # a container using this much of the GPU wants its share
-HOLD_MARGIN_PP = 1.0  # an unheld container is held once measured this far over its target
-STARVED_PP = 3.0  # ...or, yielding to others' turns, this far under it
-STARVED_S = 4.0  # ...for this long (not a start-up, not a pause of its own), on a GPU whose
-BOOKED_PERCENT = 95.0  # active containers' targets add up to this much
-USED_WINDOW_S = 4.0  # status: a container's use over this much measured time
-ENTER_WINDOW_S = 1.0  # held as soon as its use over this much time is over the target
-YIELD_WINDOW_S = 30.0  # an unheld container that used the GPU this recently yields to turns
-SLOT_S = 0.004  # actions this close together go in one wake-up
-FIRST_DRAIN_WAIT_S = 4.0  # the longest wait for a drain to show over in the samples
-MIN_CYCLE_S = 0.2  # the shortest cycle of turns
-CYCLE_PER_WAIT = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
-SEEN_PERIODS = 2  # a drain is seen over this many device sample periods after it ended
-IDLE_BALANCE_QUANTA = 0.5  # an idle held container keeps at most this much of a quantum
-
 
 @dataclass
 class _GpuTurns:
@@ -103,8 +88,8 @@ class TurnLoop:
                 data.attribution.record(now, control.key, not control.frozen)
                 state.order.append(control.key)
             state.controls[control.key] = control
-        used = {c.key: self.meter.used(gpu, c.key, USED_WINDOW_S) for c in controls}
-        recent = {c.key: self.meter.used(gpu, c.key, ENTER_WINDOW_S) for c in controls}
+        used = {c.key: self.meter.used(gpu, c.key, self.settings.used_window_s) for c in controls}
+        recent = {c.key: self.meter.used(gpu, c.key, self.settings.enter_window_s) for c in controls}
         models = data.attribution.models
         # A held container with work waits for its turns: it is active however seldom they come.
         active = {
@@ -118,7 +103,7 @@ class TurnLoop:
             control.goal = self._target(control, active)
         # Caps that take (nearly) the whole GPU between them: yielding to the held ones' turns
         # may cost an unheld one more than the slack left, so one short of its cap gets turns.
-        booked = sum(c.goal or 0.0 for c in controls if c.key in active) >= BOOKED_PERCENT
+        booked = sum(c.goal or 0.0 for c in controls if c.key in active) >= self.settings.booked_percent
         for control in controls:
             self._hold_or_release(gpu, control, recent[control.key], now, booked=booked)
         held = set(data.accounts)
@@ -146,15 +131,20 @@ class TurnLoop:
         """Whether the container uses the GPU now: over the last second (``recent``), or over
         two of its units of work where those are longer (steps of seconds come in bursts)."""
         model = self.meter.gpus[gpu].attribution.models.get(key)
-        window = min(USED_WINDOW_S, max(ENTER_WINDOW_S, 2 * model.drain_max_s if model is not None else 0.0))
-        used = recent if window == ENTER_WINDOW_S else self.meter.used(gpu, key, window)
-        return used is not None and used >= ACTIVE_PERCENT
+        window = min(
+            self.settings.used_window_s,
+            max(self.settings.enter_window_s, 2 * model.drain_max_s if model is not None else 0.0),
+        )
+        used = recent if window == self.settings.enter_window_s else self.meter.used(gpu, key, window)
+        return used is not None and used >= self.settings.active_percent
 
     def _used_lately(self, gpu: int, key: str) -> bool:
         """Whether the container used the GPU lately (it may again at any moment: a pause
         between bursts, a request after a quiet spell), by the device samples or NVML."""
-        used = self.meter.used(gpu, key, YIELD_WINDOW_S)
-        return (used is not None and used > 0.1) or self.meter.credited(gpu, key, YIELD_WINDOW_S)
+        used = self.meter.used(gpu, key, self.settings.yield_window_s)
+        return (used is not None and used > 0.1) or self.meter.credited(
+            gpu, key, self.settings.yield_window_s
+        )
 
     def _target(self, control: ContainerControl, active: set[str]) -> float | None:
         spec = control.spec
@@ -184,12 +174,12 @@ class TurnLoop:
             # Over its target; or, on a booked GPU, yielding to others' turns and short of it
             # (freezing it for their turns costs it more than the slack): turns of its own and
             # an account see that it gets its share.
-            if control.yielding and control.used < goal - STARVED_PP:
-                starved = booked and now - state.starved_since.setdefault(key, now) >= STARVED_S
+            if control.yielding and control.used < goal - self.settings.starved_pp:
+                starved = booked and now - state.starved_since.setdefault(key, now) >= self.settings.starved_s
             else:
                 state.starved_since.pop(key, None)
                 starved = False
-            if starved or (recent is not None and recent > goal + HOLD_MARGIN_PP):
+            if starved or (recent is not None and recent > goal + self.settings.hold_margin_pp):
                 state.starved_since.pop(key, None)
                 share = goal / 100
                 data.accounts[key] = Account(
@@ -203,8 +193,8 @@ class TurnLoop:
             account.unit = model.drain_max_s + self.settings.min_thaw_s
         quantum = account.quantum(self.settings)
         if idle:  # it does not save up while it has nothing to run
-            account.balance = min(account.balance, IDLE_BALANCE_QUANTA * quantum)
-        full = IDLE_BALANCE_QUANTA * quantum if idle else account.bank(self.settings)
+            account.balance = min(account.balance, self.settings.idle_balance_quanta * quantum)
+        full = self.settings.idle_balance_quanta * quantum if idle else account.bank(self.settings)
         unspent = account.balance >= full - 1e-9
         if unspent:
             if now - state.full_since.setdefault(key, now) >= self._idle_hold_s:
@@ -259,9 +249,9 @@ class TurnLoop:
         time has come); the enforcer acts and reports back with :meth:`acted`."""
         out = []
         for gpu, state in self._gpus.items():
-            if state.next_decision <= now + SLOT_S:
+            if state.next_decision <= now + self.settings.slot_s:
                 self._decide(gpu, now)
-            while state.pending and state.pending[0][0] <= now + SLOT_S:
+            while state.pending and state.pending[0][0] <= now + self.settings.slot_s:
                 _, key, thaw = state.pending.pop(0)
                 control = state.controls.get(key)
                 if control is not None:
@@ -302,7 +292,7 @@ class TurnLoop:
                 predicted[key] = predicted.get(key, 0.0) + expected[key]
         drains = {k: models[k].drain_s for k in data.accounts if k in models}
         rates = {k: models[k].rate for k in data.accounts if k in models}
-        if state.cycle is None or now >= state.cycle.end - SLOT_S:
+        if state.cycle is None or now >= state.cycle.end - self.settings.slot_s:
             start = now if state.cycle is None else max(now, state.cycle.end)
             state.cycle = Cycle(start, start + self._cycle_length(gpu))
         in_flight = {
@@ -365,19 +355,21 @@ class TurnLoop:
             waits.append(self.settings.cycle_s if wait is None else wait)
         # No shorter than a device sample: more turns per sample are more for the record to
         # tell apart, and no shorter than the sample shows.
-        shortest = min(self.settings.cycle_s, max(MIN_CYCLE_S, self.meter.gpus[gpu].typical_period()))
-        return max(shortest, min(self.settings.cycle_s, CYCLE_PER_WAIT * sum(waits)))
+        shortest = min(
+            self.settings.cycle_s, max(self.settings.min_cycle_s, self.meter.gpus[gpu].typical_period())
+        )
+        return max(shortest, min(self.settings.cycle_s, self.settings.cycle_per_wait * sum(waits)))
 
     def _guard(self, gpu: int, now: float, starting: set[str]) -> float:
         """How long to wait before thawing ``starting``: until the drains of the others frozen
         lately have run out, as long as each one's drains were seen to run (its ``wait_s``).
         After a container whose drain was never seen, until the device samples show it over
-        (``update`` decides again then), at most ``FIRST_DRAIN_WAIT_S``."""
+        (``update`` decides again then), at most ``first_drain_wait_s``."""
         state = self._gpus[gpu]
         attribution = self.meter.gpus[gpu].attribution
         models = attribution.models
         # A drain over shows in the next device sample after it, read at the next period.
-        seen_after = SEEN_PERIODS * self.meter.gpus[gpu].typical_period() + self._period_s
+        seen_after = self.settings.seen_periods * self.meter.gpus[gpu].typical_period() + self._period_s
         if any(not c.frozen for k, c in state.controls.items() if k in starting):
             return 0.0  # it runs already: the drains before it mix with its turn anyway
         until = now
@@ -385,17 +377,21 @@ class TurnLoop:
             model = models.get(key)
             wait = model.wait_s if model is not None and model.wait_s is not None else None
             seen_over = attribution.drain_over.get(key, -math.inf) >= at
-            if key in starting or seen_over or now - at >= (FIRST_DRAIN_WAIT_S if wait is None else wait):
+            if (
+                key in starting
+                or seen_over
+                or now - at >= (self.settings.first_drain_wait_s if wait is None else wait)
+            ):
                 del state.frozen_at[key]
                 continue
             if wait is None:
                 state.waiting_for[key] = at
-                wait = FIRST_DRAIN_WAIT_S
+                wait = self.settings.first_drain_wait_s
             elif wait > seen_after:
                 # Long drains: wait until the samples show it over (a blind wait would be cut
                 # short by a longer one than those measured so far), at most twice the wait.
                 state.waiting_for[key] = at
-                wait = min(FIRST_DRAIN_WAIT_S, 2 * wait)
+                wait = min(self.settings.first_drain_wait_s, 2 * wait)
             until = max(until, at + wait)
         return until - now
 

@@ -58,6 +58,22 @@ class TurnSettings:
     # others' turns loses its own time (one that thinks between steps starves); best-effort
     # ones always yield. True is the earlier behaviour, kept to compare (bench/scenarios.py).
     capped_yield: bool = False
+    # Who is held (control/turnloop.py):
+    active_percent: float = 5.0  # a container using this much of the GPU wants its share
+    hold_margin_pp: float = 1.0  # an unheld container is held once measured this far over its target
+    starved_pp: float = 3.0  # ...or, yielding to others' turns, this far under it
+    starved_s: float = 4.0  # ...for this long (not a start-up, not a pause of its own), on a booked GPU
+    booked_percent: float = 95.0  # active containers' targets add up to this much: the GPU is booked
+    used_window_s: float = 4.0  # status: a container's use over this much measured time
+    enter_window_s: float = 1.0  # held as soon as its use over this much time is over the target
+    yield_window_s: float = 30.0  # an unheld container that used the GPU this recently yields to turns
+    idle_balance_quanta: float = 0.5  # an idle held container keeps at most this much of a quantum
+    # When turns are taken (control/turnloop.py):
+    slot_s: float = 0.004  # actions this close together go in one wake-up
+    first_drain_wait_s: float = 4.0  # the longest wait for a drain to show over in the samples
+    min_cycle_s: float = 0.2  # the shortest cycle of turns
+    cycle_per_wait: float = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
+    seen_periods: int = 2  # a drain is seen over this many device sample periods after it ended
 
 
 @dataclass
