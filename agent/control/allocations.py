@@ -65,6 +65,10 @@ class Allocations:
         self.isolated_gpus: Callable[[], frozenset[int]] = frozenset
         self.allocations = 0
         self.refusals = 0
+        # Pods refused at Allocate (kubelet rejects such a pod for good: it is Failed, never
+        # admitted again), no longer candidates from the refusal on, not only once the pod
+        # cache sees them Failed: the next pod asking the same size is not taken for it.
+        self._refused: OrderedDict[str, None] = OrderedDict()  # pod UIDs; guarded by _lock
 
     # GetPreferredAllocation ---------------------------------------------------
     def prefer(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
@@ -136,6 +140,17 @@ class Allocations:
     def _assign(self, device_ids: Sequence[str], resolved: ResolvedRequest) -> tuple[Assignment, PodInfo]:
         gpus = tuple(g.index for g in resolved.gpus)
         chosen = match(*self._ranked(resolved.cores), gpus=gpus, node_name=self.node_name)
+        try:
+            return self._assign_to(chosen, device_ids, resolved, gpus)
+        except AllocationError:
+            self._refused[chosen.pod.uid] = None
+            while len(self._refused) > MAX_ANSWERS:
+                self._refused.popitem(last=False)
+            raise
+
+    def _assign_to(
+        self, chosen: Candidate, device_ids: Sequence[str], resolved: ResolvedRequest, gpus: tuple[int, ...]
+    ) -> tuple[Assignment, PodInfo]:
         if not resolved.whole and chosen.memory_mib is None:
             raise AllocationError(
                 f"pod {chosen.pod.key} container {chosen.container.name} requests {resolved.cores} "
@@ -228,6 +243,8 @@ class Allocations:
         cache needs it)."""
         version, pods = self._pods.snapshot()
         ranked = self._profiles.ranked_at(version, lambda: pods)
+        if self._refused:
+            ranked = [p for p in ranked if p.pod.uid not in self._refused]
         return candidates_in(ranked, self.ledger.keys(), size), len(pods)
 
     def _annotate(self, pod: PodInfo, item: Assignment) -> None:
@@ -242,6 +259,9 @@ class Allocations:
         pod = new or old
         if pod is None:
             return
+        if kind == "DELETED":
+            with self._lock:
+                self._refused.pop(pod.uid, None)
         if kind == "DELETED" or (new is not None and new.finished):
             for item in self.ledger.release(pod.uid):
                 log.info(

@@ -124,6 +124,29 @@ def test_oversubscribing_memory_is_refused_with_an_event(start_agent: Start, clu
     assert agent.proc.poll() is None
 
 
+def test_a_refused_pod_is_not_taken_for_the_next_pod_of_the_same_size(
+    start_agent: Start, cluster: Cluster
+) -> None:
+    # kubelet rejects a pod whose Allocate failed for good, and marks it Failed a moment later;
+    # until the agent's pod cache sees that, the refused pod is still Pending. The next pod
+    # asking the same vcuda-core must get the IDs, not be matched to the refused one (CI).
+    # Candidates rank by (creationTimestamp, whole seconds; namespace/name): the refused pod
+    # ranks first whether the two are created in one second or two.
+    agent, _ = start(start_agent, cluster)
+    greedy = cluster.node.create_pod(pod_manifest("a-greedy", ("cuda", 30, 90 * GIB)))
+    with pytest.raises(AdmissionError, match="default/a-greedy/cuda needs 30 vcuda-core"):
+        cluster.kubelet.admit(greedy)  # kubelet's rejection, its status update not yet written
+    refused = cluster.api.pod("default", "a-greedy")
+    assert refused is not None and refused["status"]["phase"] == "Pending"
+    fits = cluster.node.run_pod(pod_manifest("b-fits", ("cuda", 30, 10 * GIB)))
+    assert fits.containers[0].response.envs["VCUDA_CORE"]
+    wait_until(  # the annotator writes it after Allocate answered
+        lambda: pod_annotations(cluster.api, "b-fits").get("nvidia.com/predicate-gpu-idx-0"),
+        what="b-fits annotated with its GPU",
+    )
+    assert agent.proc.poll() is None
+
+
 def test_bad_annotations_give_events_and_the_safe_default(start_agent: Start, cluster: Cluster) -> None:
     agent, port = start(start_agent, cluster)
     for name, limit in [("abc", "abc"), ("zero", "0"), ("big", "250"), ("neg", "-5")]:
