@@ -66,8 +66,8 @@ class Allocations:
         self.allocations = 0
         self.refusals = 0
         # Pods refused at Allocate (kubelet rejects such a pod for good: it is Failed, never
-        # admitted again), no longer candidates from the refusal on, not only once the pod
-        # cache sees them Failed: the next pod asking the same size is not taken for it.
+        # admitted again) rank after every other candidate from the refusal on, not only once
+        # the pod cache sees them Failed: the next pod asking the same size is not taken for it.
         self._refused: OrderedDict[str, None] = OrderedDict()  # pod UIDs; guarded by _lock
 
     # GetPreferredAllocation ---------------------------------------------------
@@ -243,8 +243,8 @@ class Allocations:
         cache needs it)."""
         version, pods = self._pods.snapshot()
         ranked = self._profiles.ranked_at(version, lambda: pods)
-        if self._refused:
-            ranked = [p for p in ranked if p.pod.uid not in self._refused]
+        if self._refused:  # after every other candidate (kubelet does not retry a refused pod)
+            ranked = sorted(ranked, key=lambda p: p.pod.uid in self._refused)
         return candidates_in(ranked, self.ledger.keys(), size), len(pods)
 
     def _annotate(self, pod: PodInfo, item: Assignment) -> None:
