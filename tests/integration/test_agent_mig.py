@@ -6,8 +6,6 @@ instance Unhealthy, not the GPU."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +13,12 @@ from typing import Any
 import pytest
 
 from agent.domain.nodeinventory import INVENTORY_ANNOTATION, NodeInventory, decode
-from agent.errors import VcudaError
 from agent.platform.gpu.inventory import EventKind
-from agent.platform.gpu.sim.client import NodeClient, post_event
+from agent.platform.gpu.sim.client import post_event
 from agent.surfaces.statusclient import fetch_status
 from tests.conftest import AgentProcess
 from tests.integration.kubecluster import NODE, Cluster, metric, scrape, wait_until
+from tests.integration.migserver import mig_gpu_server
 
 SPEC = "2xH100-80GB"
 
@@ -28,27 +26,8 @@ SPEC = "2xH100-80GB"
 @pytest.fixture
 def mig_gpus(short_dir: Path) -> Iterator[Path]:
     """The node's GPU server, GPU 0 in MIG mode with three instances; the agent attaches."""
-    sim_dir = short_dir / "sim"
-    cmd = [sys.executable, "-m", "agent", "sim-gpu", "--simulate", SPEC, "--node-name", NODE]
-    cmd += ["--sim-state-dir", str(sim_dir), "--mig", "0:3g.40gb,2g.20gb,1g.10gb"]
-    proc = subprocess.Popen(cmd)
-    try:
-        wait_until(lambda: _answers(sim_dir), what="the GPU server")
-        yield sim_dir
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _answers(sim_dir: Path) -> bool:
-    try:
-        client = NodeClient(sim_dir / "gpu.sock", timeout_s=1.0)
-    except VcudaError:
-        return False
-    try:
-        return bool(client.node_info())
-    finally:
-        client.close()
+    with mig_gpu_server(short_dir / "sim", SPEC, NODE, "0:3g.40gb,2g.20gb,1g.10gb", 10) as path:
+        yield path
 
 
 def inventory(cluster: Cluster) -> NodeInventory | None:

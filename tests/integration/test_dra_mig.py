@@ -25,13 +25,13 @@ from agent.emulators.draadmission import device_class
 from agent.emulators.draallocator import DraAllocationError
 from agent.emulators.draclaims import DraAllocator
 from agent.emulators.kubelet_dra import KubeletDraEmulator, PrepareResult
-from agent.errors import VcudaError
 from agent.platform.gpu.migcontrol import MigControl
 from agent.platform.gpu.migprofiles import Placement, full_ci_profile, product
 from agent.platform.gpu.sim.client import NodeClient
 from agent.platform.gpu.sim.migclient import SimNvml
 from tests.conftest import AgentProcess
 from tests.integration.kubecluster import NODE, Cluster, wait_until
+from tests.integration.migserver import mig_gpu_server
 
 SPEC = "1xH100-80GB"
 H100 = product("H100-80GB")
@@ -135,26 +135,8 @@ def _allocated_device(claim: dict[str, Any]) -> str:
 @pytest.fixture
 def sim_dir(short_dir: Path) -> Iterator[Path]:
     """The GPU server: GPU 0 in MIG mode with an instance nobody holds (a 1g.10gb)."""
-    path = short_dir / "sim"
-    cmd = [sys.executable, "-m", "agent", "sim-gpu", "--simulate", SPEC, "--node-name", NODE]
-    proc = subprocess.Popen([*cmd, "--sim-state-dir", str(path), "--mig", "0:1g.10gb"])
-    try:
-        wait_until(lambda: _answers(path), 30, "the GPU server")
+    with mig_gpu_server(short_dir / "sim", SPEC, NODE, "0:1g.10gb", 30) as path:
         yield path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _answers(sim_dir: Path) -> bool:
-    try:
-        client = NodeClient(sim_dir / "gpu.sock", timeout_s=1.0)
-    except VcudaError:
-        return False
-    try:
-        return bool(client.node_info())
-    finally:
-        client.close()
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from agent.surfaces.statusclient import fetch_status
 from tests.conftest import AgentProcess
 from tests.integration.kubecluster import NODE, Cluster, metric, pod_manifest, scrape, wait_until
+from tests.integration.migserver import mig_gpu_server
 
 SPEC = "2xH100-80GB"
 ISOLATED = {"nvidia.com/vcuda-isolation": "mig"}
@@ -42,26 +41,8 @@ Start = Callable[..., AgentProcess]
 @pytest.fixture
 def sim_dir(short_dir: Path) -> Iterator[Path]:
     """The node's GPU server, GPU 0 in MIG mode with no instance; the agent attaches to it."""
-    path = short_dir / "sim"
-    cmd = [sys.executable, "-m", "agent", "sim-gpu", "--simulate", SPEC, "--node-name", NODE]
-    proc = subprocess.Popen([*cmd, "--sim-state-dir", str(path), "--mig", "0:"])
-    try:
-        wait_until(lambda: _answers(path), 20, "the GPU server")
+    with mig_gpu_server(short_dir / "sim", SPEC, NODE, "0:", 20) as path:
         yield path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _answers(path: Path) -> bool:
-    try:
-        client = NodeClient(path / "gpu.sock", timeout_s=1.0)
-    except VcudaError:
-        return False
-    try:
-        return bool(client.node_info())
-    finally:
-        client.close()
 
 
 def instances(path: Path) -> dict[str, dict[str, Any]]:
