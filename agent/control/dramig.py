@@ -27,6 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Sequence
 
+from agent.control.migmode import pids_on
 from agent.control.migwatch import MigWatch
 from agent.domain.migfit import smallest_fit, why_not
 from agent.errors import GpuError, VcudaError
@@ -172,10 +173,9 @@ class DynamicMig:
             )
             return
         if not info.current and not info.pending:
-            processes = self._backend.process_memory(index)
-            if processes:
-                pids = ", ".join(str(p.pid) for p in sorted(processes, key=lambda p: p.pid))
-                self._tell(index, f"GPU {index}: MIG mode is off and processes use it (pids {pids})")
+            pids = pids_on(self._backend, index)
+            if pids:
+                self._tell(index, f"GPU {index}: MIG mode is off and processes use it ({pids})")
                 return
             pending = self._backend.mig_control().set_mode(index, True)
             log.info("GPU %d: MIG mode enabled for dynamic MIG%s", index, ", pending a GPU reset" * pending)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from agent.clock import Clock, SystemClock
 from agent.control.kubeports import EventSink
+from agent.control.migmode import pending_reset, pids_on
 from agent.control.migwatch import MigWatch
 from agent.domain.migconfig import MigConfig
 from agent.domain.miggeometry import PlannedInstance, plan_geometry
@@ -150,12 +151,11 @@ class MigGeometry:
         if info.pending and not info.current:
             return status(GeometryState.PENDING, _pending(index)), False
         try:
-            processes = self._backend.process_memory(index)
+            pids = pids_on(self._backend, index)
         except GpuError as err:
             return status(GeometryState.REFUSED, f"GPU {index}: cannot list its processes: {err}"), False
-        if processes:
-            pids = ", ".join(str(p.pid) for p in sorted(processes, key=lambda p: p.pid))
-            why = f"GPU {index} has processes (pids {pids}): {_describe(names)} is applied once it has none"
+        if pids:
+            why = f"GPU {index} has processes ({pids}): {_describe(names)} is applied once it has none"
             return status(GeometryState.WAITING, why), False
         control = self._backend.mig_control()
         try:
@@ -210,7 +210,4 @@ def _describe(names: Sequence[str]) -> str:
 
 
 def _pending(index: int) -> str:
-    return (
-        f"GPU {index}: MIG mode is enabled, pending a GPU reset (nvidia-smi --gpu-reset -i {index}, or "
-        "a reboot where the GPU cannot be reset); the geometry is created after it"
-    )
+    return pending_reset(index, "the geometry is created after it")

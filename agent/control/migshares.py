@@ -28,6 +28,7 @@ from pathlib import Path
 
 from agent.clock import Clock, SystemClock
 from agent.control.migholdings import MigGrant
+from agent.control.migmode import pending_reset, pids_on
 from agent.control.migsharebook import IsolatedShare, ShareKey, load_shares, save_shares
 from agent.control.migwatch import MigWatch
 from agent.domain.migconfig import MigConfig
@@ -231,10 +232,9 @@ class MigShares:
                 return self._wait(index, f"GPU {index} has no MIG: it cannot serve isolated shares")
             if info.pending:
                 return self._wait(index, _pending(index))
-            processes = self._backend.process_memory(index)
-            if processes:
-                pids = ", ".join(str(p.pid) for p in sorted(processes, key=lambda p: p.pid))
-                return self._wait(index, f"GPU {index} has processes (pids {pids}): MIG mode waits for none")
+            pids = pids_on(self._backend, index)
+            if pids:
+                return self._wait(index, f"GPU {index} has processes ({pids}): MIG mode waits for none")
             pending = self._backend.mig_control().set_mode(index, True)
         except GpuError as err:
             return self._wait(index, f"GPU {index}: cannot enable MIG mode: {err}")
@@ -321,7 +321,4 @@ def instances(gpu: MigProduct, info: MigInfo) -> list[tuple[GpuInstanceProfile, 
 
 
 def _pending(index: int) -> str:
-    return (
-        f"GPU {index}: MIG mode is enabled, pending a GPU reset (nvidia-smi --gpu-reset -i {index}, or a "
-        "reboot); it serves isolated shares after it"
-    )
+    return pending_reset(index, "it serves isolated shares after it")
