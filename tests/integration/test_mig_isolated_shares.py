@@ -46,15 +46,30 @@ def sim_dir(short_dir: Path) -> Iterator[Path]:
 
 
 def instances(path: Path) -> dict[str, dict[str, Any]]:
-    """The simulator's MIG devices on GPU 0 by UUID (its own state, not the agent's)."""
+    """The simulator's MIG devices on GPU 0 by UUID (its own state, not the agent's).
+
+    ``mig_state`` and ``mig_truth`` are two calls, so an instance the agent destroys between
+    them is in one and not the other: the pair counts only when the state read on both sides
+    of the truth is the same, and then the two must agree.
+    """
     client = NodeClient(path / "gpu.sock")
     try:
-        truth = {d["uuid"] for d in client.mig_truth()["devices"] if d["gpu"] == 0}
-        state = {d["uuid"]: d for g in client.mig_state() if g["index"] == 0 for d in g["devices"]}
+        for _ in range(50):
+            before = _state(client)
+            truth = {d["uuid"] for d in client.mig_truth()["devices"] if d["gpu"] == 0}
+            state = _state(client)
+            if set(before) == set(state):
+                break
+        else:
+            raise AssertionError("the simulator's MIG devices kept changing")
     finally:
         client.close()
     assert set(state) == truth
     return state
+
+
+def _state(client: NodeClient) -> dict[str, dict[str, Any]]:
+    return {d["uuid"]: d for g in client.mig_state() if g["index"] == 0 for d in g["devices"]}
 
 
 def start(start_agent: Start, cluster: Cluster, short_dir: Path, *extra: str) -> AgentProcess:
