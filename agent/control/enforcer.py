@@ -204,8 +204,8 @@ class Enforcer:
                 turns = gpu in turn_gpus
                 meter_stale = self.turns.meter.stale(gpu) if turns else self.duty.meter.stale(gpu)
                 stale = self._note_stale(gpu, meter_stale)
-                self._views[gpu] = self._view(gpu, turns, stale)
                 controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
+                self._views[gpu] = self._view(gpu, turns, stale, controls)
                 if stale is not None:
                     for control in controls:  # fail safe: thawed and left alone
                         control.goal = None
@@ -241,18 +241,13 @@ class Enforcer:
         elif not control.unholdable:
             control.told_unholdable = False
 
-    def _view(self, gpu: int, turns: bool, stale: str | None) -> GpuView:
+    def _view(
+        self, gpu: int, turns: bool, stale: str | None, controls: Sequence[ContainerControl]
+    ) -> GpuView:
         if not turns:
             return self.duty.view(gpu, stale)
         device = self.turns.meter.device_percent(gpu, self.gains.window_s)
-        cycle = max(
-            (
-                c.cycle_s
-                for c in self._controls.values()
-                if c.throttled and c.spec.gpus and c.spec.gpus[0] == gpu
-            ),
-            default=0.0,
-        )
+        cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
         return GpuView(gpu, device, "turns", cycle, stale)
 
     def _note_stale(self, gpu: int, reason: str | None) -> str | None:

@@ -88,8 +88,10 @@ class TurnLoop:
                 data.attribution.record(now, control.key, not control.frozen)
                 state.order.append(control.key)
             state.controls[control.key] = control
-        used = {c.key: self.meter.used(gpu, c.key, self.settings.used_window_s) for c in controls}
-        recent = {c.key: self.meter.used(gpu, c.key, self.settings.enter_window_s) for c in controls}
+        windows = (self.settings.used_window_s, self.settings.enter_window_s)
+        used, recent = {}, {}
+        for c in controls:
+            used[c.key], recent[c.key] = self.meter.used_over(gpu, c.key, windows)
         models = data.attribution.models
         # A held container with work waits for its turns: it is active however seldom they come.
         active = {
@@ -284,26 +286,15 @@ class TurnLoop:
             state.pending = [(now, k, True) for k in sorted(state.yielding)]
             return
         predicted = data.attribution.project(now)
-        models = data.attribution.models
-        expected = {k: state.expected.get(k, models[k].drain_s) for k in data.accounts if k in models}
-        for key in data.accounts:  # thawed now, frozen by this decision unless its turn goes on
-            control = state.controls.get(key)
-            if control is not None and not control.frozen and key in expected:
-                predicted[key] = predicted.get(key, 0.0) + expected[key]
-        drains = {k: models[k].drain_s for k in data.accounts if k in models}
-        rates = {k: models[k].rate for k in data.accounts if k in models}
+        drains, rates, running = self._models(gpu)
+        for key, expected in running.items():
+            predicted[key] = predicted.get(key, 0.0) + expected
         if state.cycle is None or now >= state.cycle.end - self.settings.slot_s:
             start = now if state.cycle is None else max(now, state.cycle.end)
             state.cycle = Cycle(start, start + self._cycle_length(gpu))
-        in_flight = {
-            k: at + models[k].drain_s
-            for k, at in state.frozen_at.items()
-            if k in models and k in data.accounts
-        }
-        for key in data.accounts:  # thawed now: frozen by this decision, its last unit runs on
-            control = state.controls.get(key)
-            if control is not None and not control.frozen and key in expected:
-                in_flight[key] = now + expected[key]
+        in_flight = {k: at + drains[k] for k, at in state.frozen_at.items() if k in drains}
+        for key, expected in running.items():  # its last unit runs on after the freeze
+            in_flight[key] = now + expected
         turn = next_turn(
             now,
             data.accounts,
@@ -317,11 +308,11 @@ class TurnLoop:
         )
         owner = turn.key
         stopping = [k for k in data.accounts if k != owner] + (sorted(state.yielding) if owner else [])
-        for key in stopping:
+        for key in stopping:  # a freeze for those that run (the frozen need none)
             control = state.controls.get(key)
             if control is not None and not control.frozen:
                 state.frozen_at[key] = now
-            state.pending.append((now, key, False))
+                state.pending.append((now, key, False))
         starting = [owner] if owner is not None else sorted(state.yielding)
         start = now + min(self.settings.max_drain_wait_s, self._guard(gpu, now, set(starting)))
         for key in starting:
@@ -340,6 +331,24 @@ class TurnLoop:
             state.next_decision = max(start, turn.next_decision)
         state.turn = turn
         state.pending.sort(key=lambda p: (p[0], p[2]))  # freezes first: one runs at a time
+
+    def _models(self, gpu: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """Per held container with a model: its drain, its rate, and (thawed now, so frozen by
+        the next decision unless its turn goes on) the drain expected after that freeze."""
+        state = self._gpus[gpu]
+        data = self.meter.gpus[gpu]
+        drains: dict[str, float] = {}
+        rates: dict[str, float] = {}
+        running: dict[str, float] = {}
+        for key in data.accounts:
+            model = data.attribution.models.get(key)
+            if model is None:
+                continue
+            drains[key], rates[key] = model.drain_s, model.rate
+            control = state.controls.get(key)
+            if control is not None and not control.frozen:
+                running[key] = state.expected.get(key, model.drain_s)
+        return drains, rates, running
 
     def _cycle_length(self, gpu: int) -> float:
         """The next cycle: short where the waits between turns are (each turn costs one;

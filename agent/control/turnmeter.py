@@ -288,6 +288,24 @@ class TurnMeter:
             return None
         return max(0.0, 100 * _recent_sum(data.work.get(key, ()), data.last_stamp_s - window_s) / window_s)
 
+    def used_over(
+        self, gpu: int, key: str, windows: tuple[float, float]
+    ) -> tuple[float | None, float | None]:
+        """:meth:`used` over two windows, the longer first, in one pass over the history."""
+        data = self.gpus[gpu]
+        if data.last_stamp_s is None:
+            return None, None
+        longer, shorter = windows
+        total = short = 0.0
+        since_long, since_short = data.last_stamp_s - longer, data.last_stamp_s - shorter
+        for end, seconds in reversed(data.work.get(key, ())):
+            if end <= since_long:
+                break
+            if end > since_short:
+                short += seconds
+            total += seconds
+        return max(0.0, 100 * total / longer), max(0.0, 100 * short / shorter)
+
     def credited(self, gpu: int, key: str, window_s: float) -> bool:
         """Whether NVML credited the container with GPU use in the last ``window_s``."""
         data = self.gpus[gpu]

@@ -66,3 +66,21 @@ def test_a_busy_and_a_thin_container_running_together_are_each_read_within_5_poi
     assert truth["busy"] > 2 * truth["thin"] > 30  # the case: unequal, both substantial
     for name in patterns:
         assert reading[name] == pytest.approx(truth[name], abs=5.0), (name, reading, truth)
+
+
+def test_two_windows_in_one_pass_read_as_each_window_alone() -> None:
+    clock = VirtualClock(1000.0)
+    gpu = VirtualGpuNode(clock, [EngineConfig(sample_period_s=0.25, seed=5)])
+    meter = TurnMeter(
+        [0], gpu, gpu.owner_of, settings=TurnSettings(), clock=clock, report=lambda _g, _m: None
+    )
+    ref = gpu.add("a", 0, pattern_program(PatternSpec("train", kernel_ms=4.0, busy=0.6), WorkloadStats()))
+    key = container_key(ref.pod_uid, ref.container_id)
+    assert meter.used_over(0, key, (4.0, 1.0)) == (None, None)  # no device sample yet
+    meter.gpus[0].attribution.record(clock.monotonic(), key, True)
+    for _ in range(40):
+        clock.sleep(READ_S)
+        meter.read([0], wait_s=0.0)
+    longer, shorter = meter.used_over(0, key, (4.0, 1.0))
+    assert longer == meter.used(0, key, 4.0) and shorter == meter.used(0, key, 1.0)
+    assert longer is not None and longer > 30
