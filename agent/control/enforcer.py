@@ -22,7 +22,6 @@ thawed. Time comes from a :class:`~agent.clock.Clock`, so tests drive it virtual
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from agent.clock import Clock, SystemClock
 from agent.control.actuators import Actuator, ThrottleTarget
 from agent.control.containers import ContainerControl, EnforcerStats, GpuView
 from agent.control.dutyloop import DutyLoop
+from agent.control.strategy import GpuStrategy
 from agent.control.turnloop import TurnLoop
 from agent.control.turnmeter import TurnMeter
 from agent.control.usagemeter import SampleSource, container_key
@@ -89,6 +89,7 @@ class Enforcer:
             clock=self._clock,
             report=self._report,
             blind=untrusted,
+            slot_s=(turns or TurnSettings()).slot_s,
         )
         turn_settings = turns or TurnSettings()
         self.turns = TurnLoop(
@@ -100,7 +101,9 @@ class Enforcer:
             clock_now=self._clock.monotonic,
             idle_hold_s=self.gains.idle_hold_s,
             period_s=period_s,
+            view_window_s=self.gains.window_s,
         )
+        self._strategies: tuple[GpuStrategy, ...] = (self.duty, self.turns)  # due: in this order
         self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
@@ -111,6 +114,10 @@ class Enforcer:
         self.on_action: list[Callable[[str, str, str], object]] = []
         # (spec, why) once when a held container's cap turns out not holdable by freezing
         self.on_unholdable: list[Callable[[EnforcementSpec, str], object]] = []
+
+    def strategy(self, gpu: int) -> GpuStrategy:
+        """What holds the GPU's containers this period."""
+        return self.turns if self.uses_turns(gpu) else self.duty
 
     def uses_turns(self, gpu: int) -> bool:
         """Whether the GPU is held by turns (else by duty cycles on NVML's samples)."""
@@ -140,34 +147,30 @@ class Enforcer:
         start = self._clock.monotonic() if start is None else start
         work_start = self._clock.monotonic()
         index = self.stats.periods
-        turn_gpus = [g for g in self._gpus if self.uses_turns(g)]
-        duty_gpus = [g for g in self._gpus if g not in turn_gpus]
-        self.duty.begin(index, start, duty_gpus)
+        chosen = {g: self.strategy(g) for g in self._gpus}
         # A GPU with no container under control is read once a second (for its status), not
-        # every period: an idle node costs next to nothing.
+        # every period, where turns hold it: an idle node costs next to nothing.
         occupied = {c.spec.gpus[0] for c in self._controls.values() if c.spec.gpus}
         every = max(1, round(IDLE_READ_S / self.period_s))
-        read = [g for g in turn_gpus if g in occupied or index % every == 0]
-        self.turns.meter.read(read, wait_s=0.4 * self.period_s)
-        self.stats.measure_errors = self.duty.meter.errors + self.turns.meter.errors
-        held = self._control(turn_gpus)
+        for strategy in self._strategies:
+            gpus = [g for g in self._gpus if chosen[g] is strategy]
+            if strategy is self.turns:
+                gpus = [g for g in gpus if g in occupied or index % every == 0]
+            strategy.read(gpus, index, start)
+        self.stats.measure_errors = sum(s.errors for s in self._strategies)
+        held = self._control(chosen)
         self.stats.periods += 1
         self.stats.observe(self._clock.monotonic() - work_start)
         if not self.enabled:
             return
-        self._act(self.duty.actions(held, index, start), start + self.period_s, stop)
+        for gpu, on_gpu in held.items():
+            chosen[gpu].schedule(gpu, on_gpu, index, start)
+        self._act(start + self.period_s, stop)
 
-    def _act(
-        self,
-        duty_actions: list[tuple[float, ContainerControl, bool]],
-        until: float,
-        stop: threading.Event | None,
-    ) -> None:
-        """Run the duty cycles' actions and the turns' until ``until``, earliest first."""
-        queue = [(at, n, control, freeze) for n, (at, control, freeze) in enumerate(duty_actions)]
-        heapq.heapify(queue)
+    def _act(self, until: float, stop: threading.Event | None) -> None:
+        """Run the strategies' freezes and thaws until ``until``, earliest first."""
         while True:
-            next_at = min(queue[0][0] if queue else until, self.turns.next_time())
+            next_at = min([until, *(s.next_time() for s in self._strategies)])
             if next_at >= until:
                 return
             wait = next_at - self._clock.monotonic()
@@ -176,21 +179,17 @@ class Enforcer:
             # Everything due within the next slot goes in this wake-up.
             now = self._clock.monotonic()
             with self._lock:
-                while queue and queue[0][0] <= now + self.turns.settings.slot_s:
-                    _, _, control, freeze = heapq.heappop(queue)
-                    if freeze and not control.frozen and control.throttled:
-                        self._freeze(control)
-                    elif not freeze:
-                        self._thaw(control)
-                for gpu, control, thaw in self.turns.due(now):
-                    if thaw:
-                        self._thaw(control, gpu)
-                    elif not control.frozen and (control.throttled or control.yielding):
-                        self._freeze(control, gpu)
+                for strategy in self._strategies:
+                    for gpu, control, thaw in strategy.due(now):
+                        if thaw:
+                            self._thaw(control, gpu)
+                        elif not control.frozen and (control.throttled or control.yielding):
+                            self._freeze(control, gpu)
 
     # Controlling ------------------------------------------------------------------------------
-    def _control(self, turn_gpus: Sequence[int]) -> dict[int, list[ContainerControl]]:
-        """Targets and whom to hold, per GPU; returns the duty-cycled GPUs' held containers."""
+    def _control(self, chosen: dict[int, GpuStrategy]) -> dict[int, list[ContainerControl]]:
+        """Targets and whom to hold, per GPU by its strategy; returns the held containers
+        the actuator can act on, per GPU."""
         by_gpu: dict[int, dict[str, EnforcementSpec]] = {gpu: {} for gpu in self._gpus}
         for spec in self._specs():
             if spec.container_id and spec.gpus and spec.gpus[0] in by_gpu:
@@ -201,25 +200,24 @@ class Enforcer:
             for key in self._controls.keys() - current:
                 self._drop(self._controls.pop(key))
             for gpu, on_gpu in by_gpu.items():
-                turns = gpu in turn_gpus
-                meter_stale = self.turns.meter.stale(gpu) if turns else self.duty.meter.stale(gpu)
-                stale = self._note_stale(gpu, meter_stale)
+                strategy = chosen[gpu]
+                stale = self._note_stale(gpu, strategy.stale(gpu))
                 controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
-                self._views[gpu] = self._view(gpu, turns, stale, controls)
+                self._views[gpu] = strategy.view(gpu, stale, controls)
                 if stale is not None:
                     for control in controls:  # fail safe: thawed and left alone
                         control.goal = None
                         self._release(control, gpu)
-                    self.turns.reset(gpu)
+                    for each in self._strategies:
+                        each.reset(gpu)
                     throttled[gpu] = []
                     continue
-                acted = self.turns.update(gpu, controls) if turns else self.duty.control(gpu, controls)
-                acting = {c.key for c in acted}
-                turn_held = self.turns.held(gpu) if turns else acting
+                acting = {c.key for c in strategy.update(gpu, controls)}
+                strategy_held = strategy.held(gpu)
                 held = throttled[gpu] = []
                 for control in controls:
                     if control.key in acting and self._ensure_target(control):
-                        if control.key not in turn_held:  # yields to the held ones' turns
+                        if control.key not in strategy_held:  # yields to the held ones' turns
                             self._mark(control, False)
                             continue
                         held.append(control)
@@ -227,7 +225,7 @@ class Enforcer:
                     else:
                         self._release(control, gpu)
                     self._tell_unholdable(control)
-        return {g: c for g, c in throttled.items() if g not in turn_gpus}
+        return throttled
 
     def _tell_unholdable(self, control: ContainerControl) -> None:
         """Once per episode: the cap of a held container cannot be held by freezing."""
@@ -240,15 +238,6 @@ class Enforcer:
                 tell(control.spec, control.unholdable)
         elif not control.unholdable:
             control.told_unholdable = False
-
-    def _view(
-        self, gpu: int, turns: bool, stale: str | None, controls: Sequence[ContainerControl]
-    ) -> GpuView:
-        if not turns:
-            return self.duty.view(gpu, stale)
-        device = self.turns.meter.device_percent(gpu, self.gains.window_s)
-        cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
-        return GpuView(gpu, device, "turns", cycle, stale)
 
     def _note_stale(self, gpu: int, reason: str | None) -> str | None:
         """Log when a GPU's readings go stale and when they come back."""
@@ -327,7 +316,9 @@ class Enforcer:
         if gpu is None and control.spec.gpus:
             gpu = control.spec.gpus[0]
         if gpu is not None and gpu in self._gpus:
-            self.turns.acted(gpu, control, thawed, self._clock.monotonic())
+            at = self._clock.monotonic()
+            for strategy in self._strategies:
+                strategy.acted(gpu, control, thawed, at)
 
     def _mark(self, control: ContainerControl, throttled: bool) -> None:
         if control.throttled == throttled:
@@ -361,8 +352,8 @@ class Enforcer:
         self._release(control)
         for gpu in control.spec.gpus:
             if gpu in self._gpus:
-                self.duty.forget(gpu, control.key)
-                self.turns.forget(gpu, control.key)
+                for strategy in self._strategies:
+                    strategy.forget(gpu, control.key)
 
     def release_all(self) -> None:
         """Thaw everything (stop, or the loop died)."""
@@ -408,9 +399,7 @@ class Enforcer:
         gpus = control.spec.gpus
         if not gpus or gpus[0] not in self._gpus:
             return False
-        if self.uses_turns(gpus[0]):
-            return self.turns.meter.gpus[gpus[0]].last_stamp_s is not None
-        return self.duty.measured(gpus[0], control.key)
+        return self.strategy(gpus[0]).measured(gpus[0], control.key)
 
     def gpu_views(self) -> dict[int, GpuView]:
         with self._lock:

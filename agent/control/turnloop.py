@@ -29,9 +29,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agent.control.containers import ContainerControl
+from agent.control.containers import ContainerControl, GpuView
 from agent.control.turnfigures import update_figures
 from agent.control.turnmeter import TurnMeter
+from agent.control.turntiming import cycle_length, drain_wait
 from agent.domain.annotations import Policy
 from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
 
@@ -55,7 +56,8 @@ class _GpuTurns:
 
 
 class TurnLoop:
-    """The turns of the GPUs that run them (one control loop's, not thread-safe)."""
+    """The turns of the GPUs that run them (one control loop's, not thread-safe): a
+    :class:`~agent.control.strategy.GpuStrategy`."""
 
     def __init__(
         self,
@@ -66,15 +68,42 @@ class TurnLoop:
         clock_now: Callable[[], float],
         idle_hold_s: float,
         period_s: float,
+        view_window_s: float = 1.0,
     ) -> None:
+        """``view_window_s``: the GPU's busy percent in status is over this long."""
         self.meter = meter
         self._period_s = period_s
+        self._view_window_s = view_window_s
         self.settings = settings
         self._now = clock_now
         self._idle_hold_s = idle_hold_s
         self._gpus = {g: _GpuTurns() for g in gpus}
 
     # Each period --------------------------------------------------------------------------------
+    @property
+    def errors(self) -> int:
+        return self.meter.errors
+
+    def read(self, gpus: Sequence[int], index: int, start: float) -> None:
+        """Take in the GPUs' new samples (a read not done in ``read_wait_share`` of the period
+        is taken in later: the loop never waits on NVML)."""
+        self.meter.read(gpus, wait_s=self.settings.read_wait_share * self._period_s)
+
+    def stale(self, gpu: int) -> str | None:
+        return self.meter.stale(gpu)
+
+    def view(self, gpu: int, stale: str | None, controls: Sequence[ContainerControl]) -> GpuView:
+        device = self.meter.device_percent(gpu, self._view_window_s)
+        cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
+        return GpuView(gpu, device, "turns", cycle, stale)
+
+    def schedule(self, gpu: int, held: Sequence[ContainerControl], index: int, start: float) -> None:
+        """Nothing to plan per period: :meth:`due` decides each turn when its time comes."""
+
+    def measured(self, gpu: int, key: str) -> bool:
+        """Every container of a GPU read by device samples is measured (0 is a reading)."""
+        return self.meter.gpus[gpu].last_stamp_s is not None
+
     def update(self, gpu: int, controls: Sequence[ContainerControl]) -> list[ContainerControl]:
         """Targets, figures and who is held; returns the containers the loop acts on (held
         ones and those that yield), the rest to be released."""
@@ -351,58 +380,30 @@ class TurnLoop:
         return drains, rates, running
 
     def _cycle_length(self, gpu: int) -> float:
-        """The next cycle: short where the waits between turns are (each turn costs one;
-        short cycles deliver a share evenly, which is what a request's latency sees), at most
-        ``cycle_s``."""
-        state = self._gpus[gpu]
-        models = self.meter.gpus[gpu].attribution.models
-        if len(self.meter.gpus[gpu].accounts) + len(state.yielding) < 2:
-            return self.settings.cycle_s  # nobody to take turns with: no wait to pay for
-        waits = []
-        for key in [*self.meter.gpus[gpu].accounts, *state.yielding]:
-            wait = models[key].wait_s if key in models else None
-            waits.append(self.settings.cycle_s if wait is None else wait)
-        # No shorter than a device sample: more turns per sample are more for the record to
-        # tell apart, and no shorter than the sample shows.
-        shortest = min(
-            self.settings.cycle_s, max(self.settings.min_cycle_s, self.meter.gpus[gpu].typical_period())
+        data = self.meter.gpus[gpu]
+        return cycle_length(
+            self.settings,
+            [*data.accounts, *self._gpus[gpu].yielding],
+            data.attribution.models,
+            data.typical_period(),
         )
-        return max(shortest, min(self.settings.cycle_s, self.settings.cycle_per_wait * sum(waits)))
 
     def _guard(self, gpu: int, now: float, starting: set[str]) -> float:
-        """How long to wait before thawing ``starting``: until the drains of the others frozen
-        lately have run out, as long as each one's drains were seen to run (its ``wait_s``).
-        After a container whose drain was never seen, until the device samples show it over
-        (``update`` decides again then), at most ``first_drain_wait_s``."""
         state = self._gpus[gpu]
-        attribution = self.meter.gpus[gpu].attribution
-        models = attribution.models
-        # A drain over shows in the next device sample after it, read at the next period.
-        seen_after = self.settings.seen_periods * self.meter.gpus[gpu].typical_period() + self._period_s
+        data = self.meter.gpus[gpu]
         if any(not c.frozen for k, c in state.controls.items() if k in starting):
             return 0.0  # it runs already: the drains before it mix with its turn anyway
-        until = now
-        for key, at in list(state.frozen_at.items()):
-            model = models.get(key)
-            wait = model.wait_s if model is not None and model.wait_s is not None else None
-            seen_over = attribution.drain_over.get(key, -math.inf) >= at
-            if (
-                key in starting
-                or seen_over
-                or now - at >= (self.settings.first_drain_wait_s if wait is None else wait)
-            ):
-                del state.frozen_at[key]
-                continue
-            if wait is None:
-                state.waiting_for[key] = at
-                wait = self.settings.first_drain_wait_s
-            elif wait > seen_after:
-                # Long drains: wait until the samples show it over (a blind wait would be cut
-                # short by a longer one than those measured so far), at most twice the wait.
-                state.waiting_for[key] = at
-                wait = min(self.settings.first_drain_wait_s, 2 * wait)
-            until = max(until, at + wait)
-        return until - now
+        # A drain over shows in the next device sample after it, read at the next period.
+        seen_after = self.settings.seen_periods * data.typical_period() + self._period_s
+        return drain_wait(
+            now,
+            starting,
+            state.frozen_at,
+            state.waiting_for,
+            attribution=data.attribution,
+            settings=self.settings,
+            seen_after_s=seen_after,
+        )
 
     # Figures --------------------------------------------------------------------------------------
     def held(self, gpu: int) -> set[str]:

@@ -70,6 +70,7 @@ class TurnSettings:
     idle_balance_quanta: float = 0.5  # an idle held container keeps at most this much of a quantum
     # When turns are taken (control/turnloop.py):
     slot_s: float = 0.004  # actions this close together go in one wake-up
+    read_wait_share: float = 0.4  # a period's read of the samples waits this share of it at most
     first_drain_wait_s: float = 4.0  # the longest wait for a drain to show over in the samples
     min_cycle_s: float = 0.2  # the shortest cycle of turns
     cycle_per_wait: float = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
