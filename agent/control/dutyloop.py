@@ -49,6 +49,7 @@ class DutyLoop:
         """``blind(spec)``: the share of the GPU (percent) a container whose MPS limits are
         not trusted is held to by freezing alone (None: its limits are, or it has none);
         ``slot_s``: actions this close together are due together."""
+        self.name = "duty cycles"
         self.gains = gains
         self._blind = blind
         self._slot_s = slot_s
@@ -77,6 +78,10 @@ class DutyLoop:
         self._held.pop(gpu, None)
         self._actions = [a for a in self._actions if a[2] != gpu]
         heapq.heapify(self._actions)
+
+    def take_over(self, gpu: int) -> None:
+        """Nothing kept to drop: each period's duties come from the latest whole cycles."""
+        self.reset(gpu)
 
     def held(self, gpu: int) -> set[str]:
         return set(self._held.get(gpu, ()))

@@ -104,6 +104,7 @@ class Enforcer:
             view_window_s=self.gains.window_s,
         )
         self._strategies: tuple[GpuStrategy, ...] = (self.duty, self.turns)  # due: in this order
+        self._holders: dict[int, GpuStrategy] = {}  # which strategy held each GPU last period
         self._controls: dict[str, ContainerControl] = {}
         self._views: dict[int, GpuView] = {}
         self._lock = threading.Lock()
@@ -148,6 +149,11 @@ class Enforcer:
         work_start = self._clock.monotonic()
         index = self.stats.periods
         chosen = {g: self.strategy(g) for g in self._gpus}
+        for gpu, strategy in chosen.items():
+            if self._holders.get(gpu, strategy) is not strategy:
+                log.info("GPU %d: now held by %s", gpu, strategy.name)
+                strategy.take_over(gpu)
+        self._holders = chosen
         # A GPU with no container under control is read once a second (for its status), not
         # every period, where turns hold it: an idle node costs next to nothing.
         occupied = {c.spec.gpus[0] for c in self._controls.values() if c.spec.gpus}

@@ -15,7 +15,8 @@ A strategy owns what it decides: each container's target (``goal``) and reading 
 who is held, who yields, and the freezes and thaws that follow; the enforcer does them and
 reports back. One period, for each strategy and its GPUs:
 
-1. :meth:`GpuStrategy.read` the GPUs' new samples;
+1. :meth:`GpuStrategy.read` the GPUs' new samples (a GPU that changed strategy since the
+   last period first goes through :meth:`~GpuStrategy.take_over`);
 2. per GPU, :meth:`~GpuStrategy.stale` (the enforcer releases everything on stale
    readings and calls :meth:`~GpuStrategy.reset`), else :meth:`~GpuStrategy.update`:
    the containers it acts on, of which :meth:`~GpuStrategy.held` are held (the rest yield);
@@ -39,6 +40,8 @@ Action = tuple[int, ContainerControl, bool]  # (GPU, container, thaw? else freez
 class GpuStrategy(Protocol):
     """One way of holding containers to their targets (one control loop's, not thread-safe)."""
 
+    name: str  # for logs and status: "turns", "duty cycles"
+
     @property
     def errors(self) -> int:
         """Failed reads so far (metrics)."""
@@ -54,6 +57,11 @@ class GpuStrategy(Protocol):
 
     def reset(self, gpu: int) -> None:
         """Its containers were released (stale readings): nothing is due until it is fresh."""
+        ...
+
+    def take_over(self, gpu: int) -> None:
+        """The GPU comes to this strategy from another: whatever it kept for the GPU (accounts,
+        plans) is from before, and the samples since are of a time it did not hold it."""
         ...
 
     def update(self, gpu: int, controls: Sequence[ContainerControl]) -> list[ContainerControl]:

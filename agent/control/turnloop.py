@@ -71,6 +71,7 @@ class TurnLoop:
         view_window_s: float = 1.0,
     ) -> None:
         """``view_window_s``: the GPU's busy percent in status is over this long."""
+        self.name = "turns"
         self.meter = meter
         self._period_s = period_s
         self._view_window_s = view_window_s
@@ -96,6 +97,15 @@ class TurnLoop:
         device = self.meter.device_percent(gpu, self._view_window_s)
         cycle = max((c.cycle_s for c in controls if c.throttled), default=0.0)
         return GpuView(gpu, device, "turns", cycle, stale)
+
+    def take_over(self, gpu: int) -> None:
+        """Nobody held: an account kept from before would pay now for all the GPU ran while
+        another strategy held it (a container frozen for seconds to repay it). Who is over
+        its target is held again from the samples, with a new account."""
+        for key in list(self.meter.gpus[gpu].accounts):
+            self._release(gpu, key)
+        self.meter.gpus[gpu].unsettled.clear()
+        self.reset(gpu)
 
     def schedule(self, gpu: int, held: Sequence[ContainerControl], index: int, start: float) -> None:
         """Nothing to plan per period: :meth:`due` decides each turn when its time comes."""

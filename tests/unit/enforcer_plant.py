@@ -55,16 +55,20 @@ class Rig:
         feedback: str = "device",
         untrusted: Callable[[EnforcementSpec], float | None] = lambda _spec: None,
         uncredited: frozenset[str] = frozenset(),
+        *,
+        concurrent: Callable[[int], bool] = lambda _gpu: False,
     ) -> None:
         """``feedback``: "device" (turns, the default) or "nvml" (the legacy duty cycles);
         ``untrusted``: the enforcer's (MPS limits not trusted); ``uncredited``: the containers
-        whose samples no container owns (NVML credits an MPS client's work to the server)."""
+        whose samples no container owns (NVML credits an MPS client's work to the server);
+        ``concurrent``: the enforcer's (whether the GPU's clients run concurrently now)."""
         self.clock = VirtualClock()
         self._hidden = uncredited
         self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
         self.specs: list[EnforcementSpec] = []
         self.stats: dict[str, WorkloadStats] = {}
         self._gains, self._feedback, self._untrusted = gains, feedback, untrusted
+        self._concurrent = concurrent
         self.enforcer = self._new_enforcer()
         self.start = self.clock.monotonic()
         self._times: list[float] = []
@@ -84,6 +88,7 @@ class Rig:
             gains=self._gains,
             feedback=self._feedback,
             untrusted=self._untrusted,
+            concurrent=self._concurrent,
             clock=self.clock,
         )
 

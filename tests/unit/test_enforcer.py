@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -293,3 +294,27 @@ def test_a_new_container_reaches_the_gpu_within_two_seconds_whatever_its_neighbo
     rig.add("n", pattern, spec("n", cores, policy))
     rig.run_for(2)
     assert rig.gpu.gpu_seconds("n") > 0, f"the newcomer ran nothing in 2 s: {rig.gpu.containers['n'].freezes}"
+
+
+def test_a_gpu_that_changes_strategy_is_held_again_at_once_and_left_with_nothing_frozen() -> None:
+    # MPS starts and stops on the GPU: turns hold it, then duty cycles (its clients would run
+    # concurrently), then turns again, with the same container and the same thaw record. Back
+    # under turns, the account it had would have paid for all it ran under the duty cycles
+    # (frozen about 15 s before this change): it is held afresh.
+    concurrent = [False]
+    rig = Rig(concurrent=lambda _gpu: concurrent[0])
+    rig.add("a", TRAIN, spec("a", 40))
+    strategies = []
+    for phase in (False, True, False):
+        concurrent[0] = phase
+        rig.run_for(20)
+        strategies.append(rig.enforcer.strategy(0))
+    assert strategies == [rig.enforcer.turns, rig.enforcer.duty, rig.enforcer.turns]
+    assert rig.mean("a", 5, 15) == pytest.approx(40, abs=3)  # turns, the first time
+    assert rig.mean("a", 45, 15) == pytest.approx(40, abs=3)  # turns again, from 5 s after
+    back = [at for at, frozen in rig.gpu.containers["a"].freezes if at >= rig.start + 40]
+    assert back and max(b - a for a, b in itertools.pairwise([rig.start + 40, *back])) < 1.0
+    stop = threading.Event()
+    stop.set()
+    rig.enforcer.run(stop)  # a loop that ends thaws everything, whichever strategy held it
+    assert not rig.control("a").frozen and not rig.gpu.frozen("a")
