@@ -150,8 +150,10 @@ class Enforcer:
         index = self.stats.periods
         chosen = {g: self.strategy(g) for g in self._gpus}
         for gpu, strategy in chosen.items():
-            if self._holders.get(gpu, strategy) is not strategy:
-                log.info("GPU %d: now held by %s", gpu, strategy.name)
+            previous = self._holders.get(gpu, strategy)
+            if previous is not strategy:
+                log.info("GPU %d: now held by %s (was %s)", gpu, strategy.name, previous.name)
+                previous.reset(gpu)  # nothing of the old one's is due there any more
                 strategy.take_over(gpu)
         self._holders = chosen
         # A GPU with no container under control is read once a second (for its status), not

@@ -16,7 +16,8 @@ who is held, who yields, and the freezes and thaws that follow; the enforcer doe
 reports back. One period, for each strategy and its GPUs:
 
 1. :meth:`GpuStrategy.read` the GPUs' new samples (a GPU that changed strategy since the
-   last period first goes through :meth:`~GpuStrategy.take_over`);
+   last period is first let go by the old one, :meth:`~GpuStrategy.reset`, and taken over
+   by the new one, :meth:`~GpuStrategy.take_over`);
 2. per GPU, :meth:`~GpuStrategy.stale` (the enforcer releases everything on stale
    readings and calls :meth:`~GpuStrategy.reset`), else :meth:`~GpuStrategy.update`:
    the containers it acts on, of which :meth:`~GpuStrategy.held` are held (the rest yield);
@@ -56,7 +57,8 @@ class GpuStrategy(Protocol):
         ...
 
     def reset(self, gpu: int) -> None:
-        """Its containers were released (stale readings): nothing is due until it is fresh."""
+        """Its containers were released (stale readings), or another strategy holds the GPU
+        now: nothing of this one's is due there until it is asked again."""
         ...
 
     def take_over(self, gpu: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 import pytest
@@ -300,7 +301,8 @@ def test_a_gpu_that_changes_strategy_is_held_again_at_once_and_left_with_nothing
     # MPS starts and stops on the GPU: turns hold it, then duty cycles (its clients would run
     # concurrently), then turns again, with the same container and the same thaw record. Back
     # under turns, the account it had would have paid for all it ran under the duty cycles
-    # (frozen about 15 s before this change): it is held afresh.
+    # (frozen about 15 s before this change): it is held afresh. And the strategy that lets
+    # the GPU go stops acting there (the turns went on beside the duty cycles before).
     concurrent = [False]
     rig = Rig(concurrent=lambda _gpu: concurrent[0])
     rig.add("a", TRAIN, spec("a", 40))
@@ -309,6 +311,8 @@ def test_a_gpu_that_changes_strategy_is_held_again_at_once_and_left_with_nothing
         concurrent[0] = phase
         rig.run_for(20)
         strategies.append(rig.enforcer.strategy(0))
+        if phase:  # the turns left the GPU to the duty cycles: none of theirs is due there
+            assert rig.enforcer.turns.next_time() == math.inf
     assert strategies == [rig.enforcer.turns, rig.enforcer.duty, rig.enforcer.turns]
     assert rig.mean("a", 5, 15) == pytest.approx(40, abs=3)  # turns, the first time
     assert rig.mean("a", 45, 15) == pytest.approx(40, abs=3)  # turns again, from 5 s after
