@@ -71,9 +71,9 @@ class GpuTurnsData:
     book: CreditBook[str] = field(default_factory=CreditBook)
     total: dict[str, float] = field(default_factory=dict)  # GPU seconds ever measured, corrections in
     unsettled: dict[str, float] = field(default_factory=dict)  # corrections held accounts still owe
-    candidates: collections.deque[tuple[float, frozenset[str]]] = field(
+    candidates: collections.deque[tuple[float, frozenset[str], str | None]] = field(
         default_factory=collections.deque
-    )  # (end, who could have run in the period)
+    )  # (end, who could have run in the period, who was thawed through nearly all of it)
     credits_applied_to: float = -math.inf  # the credits up to this instant corrected the split
 
     def typical_period(self) -> float:
@@ -202,7 +202,9 @@ class TurnMeter:
 
     def _attribute(self, data: GpuTurnsData, end: float, period: float, util: float) -> None:
         work = data.attribution.take(end, period, util)
-        data.candidates.append((end, data.attribution.last_candidates))
+        attribution = data.attribution
+        through = [k for k, v in attribution.last_thawed.items() if v >= self._credits.solo_thawed_share]
+        data.candidates.append((end, attribution.last_candidates, through[0] if len(through) == 1 else None))
         work = self._split_free(data, end, work)
         data.busy.append((end, util / 100 * period))
         for key, seconds in work.items():
@@ -240,12 +242,18 @@ class TurnMeter:
                 continue
             since, until = at - window + period / 2, at + period / 2  # the periods that end in it
             given = {k: max(0.0, _between(h, since, until)) for k, h in data.work.items()}
-            periods = [c for t, c in reversed(data.candidates) if since < t <= until]
-            credited = {k for t, k, _u in _tail(data.credits, since) if t <= until}
+            periods = [(c, owner) for t, c, owner in reversed(data.candidates) if since < t <= until]
+            quiet_since = since - (self._credits.solo_quiet_windows - 1) * window
+            credited = {k for t, k, _u in _tail(data.credits, quiet_since) if t <= until}
             moved: dict[str, float] = {}
             for _at, key, value in group:
-                # Alone: the record says nobody else could have run, and NVML credited nobody else.
-                alone = bool(periods) and all(c <= {key} for c in periods) and credited <= {key}
+                # Alone: a turn of its own (thawed through every period, nobody else the record
+                # says could have run), and NVML credited nobody else lately.
+                alone = (
+                    bool(periods)
+                    and all(c <= {key} and owner == key for c, owner in periods)
+                    and credited <= {key}
+                )
                 for k, seconds in data.book.correct(key, value, window, given, alone=alone).items():
                     given[k] = max(0.0, given.get(k, 0.0) + seconds)
                     moved[k] = moved.get(k, 0.0) + seconds

@@ -20,7 +20,12 @@ conserved: a credit moves time between containers, never adds any.
 
 A container's activity factor is learned from credits whose window it had to itself (the
 device samples then measure its GPU time, up to a neighbour's work the record did not
-expect); until then it is ``activity_prior``.
+expect); until then it is ``activity_prior``. *Had to itself* means a turn of its own: thawed
+through every period of the window, nobody else the record says could have run, and nobody
+else credited in that window or the one before. A window it spent frozen and draining is
+no lesson: the record cannot see when a drain ends, so a neighbour's deep queue still
+running beside it looks like nothing, and a factor learned there (a third of the true one
+with two time-sliced deep queues) would make every later credit confirm the wrong split.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class CreditSettings:
     settle_spread_s: float = 2.0  # a held container's account pays a correction over this long
     solo_min_share: float = 0.05  # a window it had to itself teaches its factor if it ran this much
     solo_beside_share: float = 0.005  # ...and nobody else was given more than this of it (no drain)
+    solo_thawed_share: float = 0.9  # ...and it was thawed this much of each of its periods (a turn)
+    solo_quiet_windows: int = 2  # ...and NVML credited nobody else in this many windows up to it
 
 
 class CreditBook(Generic[K]):

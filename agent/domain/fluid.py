@@ -115,6 +115,7 @@ class Attribution(Generic[K]):
         self.drain_over: dict[K, float] = {}  # ...and when the last one was over, measured or not
         self._last_frozen: K | None = None
         self.last_candidates: frozenset[K] = frozenset()  # who could have run in the last sample's period
+        self.last_thawed: dict[K, float] = {}  # ...and the share of that period each was thawed
 
     @property
     def replayed_to(self) -> float:
@@ -154,6 +155,7 @@ class Attribution(Generic[K]):
         for key, seconds in running.items():
             out[key] = given * seconds / ran
         self._credit_drains(busy - given, draining, out)
+        self.last_thawed = {k: v / (end_s - start) for k, v in thawed_time.items()}
         self.last_candidates = frozenset(
             [
                 *thawed_time,
