@@ -179,6 +179,9 @@ class EnforcementSettings:
     # ... and this often while a container is near its quota and growing (0: never faster;
     # agent/domain/memcadence.py)
     memory_check_near_s: float = 0.01
+    # A GPU no container under control uses is read this often (its status and metrics), by
+    # the compute-cap loop and the memory check alike: an idle node costs next to nothing.
+    idle_read_s: float = 1.0
     state_dir: Path = DEFAULT_STATE_DIR  # freeze journal and status socket
     watchdog: bool = True  # a separate process thaws everything if the agent dies
 

@@ -43,7 +43,6 @@ from agent.platform.freezejournal import JournalError
 
 log = logging.getLogger(__name__)
 
-IDLE_READ_S = 1.0  # a GPU with no container under control is read this often
 NOT_FOUND = "the container's cgroup was not found (yet)"
 FEEDBACKS = ("device", "nvml")  # turns on device samples (default), or duty cycles on NVML's samples
 
@@ -63,19 +62,22 @@ class Enforcer:
         turns: TurnSettings | None = None,
         feedback: str = "device",
         concurrent: Callable[[int], bool] = lambda _gpu: False,
+        idle_read_s: float = 1.0,
         untrusted: Callable[[EnforcementSpec], float | None] = lambda _spec: None,
         clock: Clock | None = None,
         enabled: bool = True,
     ) -> None:
         """``feedback``: "device" (turns wherever the GPU time-slices) or "nvml" (duty cycles
         everywhere); ``concurrent``: whether a GPU's clients run concurrently now (MPS),
-        where turns do not apply; ``untrusted(spec)``: the share (percent) the freezer holds a
+        where turns do not apply; ``idle_read_s``: a GPU with no container under control is
+        read this often (not every period); ``untrusted(spec)``: the share (percent) the freezer holds a
         container to whose MPS limits are not trusted (None: they are, or it has none)."""
         self._gpus = tuple(gpus)
         self._specs = specs
         self._locate = locate
         self.actuator = actuator
         self.period_s = period_s
+        self.idle_read_s = idle_read_s
         self.gains = gains or Gains(period_s=period_s)
         self.feedback = feedback
         self._concurrent = concurrent
@@ -159,7 +161,7 @@ class Enforcer:
         # A GPU with no container under control is read once a second (for its status), not
         # every period, where turns hold it: an idle node costs next to nothing.
         occupied = {c.spec.gpus[0] for c in self._controls.values() if c.spec.gpus}
-        every = max(1, round(IDLE_READ_S / self.period_s))
+        every = max(1, round(self.idle_read_s / self.period_s))
         for strategy in self._strategies:
             gpus = [g for g in self._gpus if chosen[g] is strategy]
             if strategy is self.turns:

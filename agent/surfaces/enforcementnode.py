@@ -110,6 +110,7 @@ class EnforcementIntegration:
             turns=TurnSettings(cycle_s=settings.cycle_s, max_wait_s=settings.max_wait_s),
             feedback=settings.feedback.value,
             concurrent=sharing.concurrent if sharing is not None else lambda _gpu: False,
+            idle_read_s=settings.idle_read_s,
             untrusted=(lambda s: sharing.blind_share(s.pod_uid, s.container)) if sharing else lambda _s: None,
             clock=self._clock,
             enabled=settings.enabled,

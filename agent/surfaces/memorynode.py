@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
@@ -70,6 +70,7 @@ class MemoryIntegration:
             CadenceSettings(base_s=settings.memory_check_s, near_s=settings.memory_check_near_s)
         )
         self._next_check_s = settings.memory_check_s
+        self._idle_read_at = -float("inf")  # GPUs nobody checked uses were last read then
         self._lock = threading.Lock()
         self._by_container: dict[str, int] = {}  # label -> MiB
         self._by_gpu: dict[int, int] = {}
@@ -115,11 +116,12 @@ class MemoryIntegration:
             for s in all_specs
             if s.container_id and (only is None or s.label in only)
         }
-        gpus = self._gpus
-        if only is not None and all(s.gpus for s in specs.values()):
-            used = {i for s in specs.values() for i in s.gpus}
-            gpus = tuple(g for g in self._gpus if g.index in used)
-        traced, times = self._traced()
+        now = self._clock.monotonic()
+        idle_due = only is None and now - self._idle_read_at >= self.settings.idle_read_s - 1e-3
+        if idle_due:
+            self._idle_read_at = now
+        gpus = gpus_to_read(self._gpus, specs.values(), idle_due=idle_due)
+        traced, times = self._traced() if specs else (None, None)  # nobody to judge: no read
         grouped: dict[ContainerRef, list[ProcessMemory]] = {}
         by_gpu: dict[int, int] = {}
         for gpu in gpus:
@@ -150,7 +152,9 @@ class MemoryIntegration:
         usage = {v.key: sum(p.used_bytes for p in v.processes) // MIB for v in views}
         with self._lock:
             if only is None:
-                self._by_container, self._by_gpu = usage, by_gpu
+                read = {g.index for g in gpus}
+                kept = {i: mib for i, mib in self._by_gpu.items() if i not in read}  # not due
+                self._by_container, self._by_gpu = usage, {**kept, **by_gpu}
             else:
                 self._by_container.update(usage)
                 self._by_gpu.update(by_gpu)
@@ -220,3 +224,17 @@ class MemoryIntegration:
     def gpu_used_mib(self, index: int) -> int | None:
         with self._lock:
             return self._by_gpu.get(index)
+
+
+def gpus_to_read(
+    gpus: Sequence[GpuInfo], specs: Iterable[EnforcementSpec], *, idle_due: bool
+) -> tuple[GpuInfo, ...]:
+    """The GPUs a memory check reads: those the checked containers use, and (``idle_due``,
+    once an ``idle_read_s``) the others too, for their used-memory figure: nobody's quota is
+    checked there. All of them where a container's GPUs are not known."""
+    used: set[int] = set()
+    for spec in specs:
+        if not spec.gpus:
+            return tuple(gpus)
+        used.update(spec.gpus)
+    return tuple(gpus) if idle_due else tuple(g for g in gpus if g.index in used)
