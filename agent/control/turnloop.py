@@ -34,7 +34,7 @@ from agent.control.turnfigures import update_figures
 from agent.control.turnmeter import TurnMeter
 from agent.control.turntiming import cycle_length, drain_wait
 from agent.domain.annotations import Policy
-from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn
+from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn, nominal_cycle
 
 
 @dataclass
@@ -157,6 +157,9 @@ class TurnLoop:
             and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
             and (self.settings.capped_yield or c.goal is None)
         }
+        nominal = nominal_cycle(self.settings, len(held) + len(state.yielding))
+        for account in data.accounts.values():
+            account.cycle_s = None if nominal == self.settings.cycle_s else nominal
         for control in controls:
             control.yielding = control.key in state.yielding
             self._figures(gpu, control, control.key in held, now)
@@ -223,9 +226,8 @@ class TurnLoop:
             if starved or (recent is not None and recent > goal + self.settings.hold_margin_pp):
                 state.starved_since.pop(key, None)
                 share = goal / 100
-                data.accounts[key] = Account(
-                    share, share * self.settings.cycle_s, data.attribution.replayed_to, now
-                )
+                data.accounts[key] = account = Account(share, 0.0, data.attribution.replayed_to, now)
+                account.balance = account.quantum(self.settings)
                 state.next_decision = min(state.next_decision, now)
             return
         account.share = goal / 100

@@ -7,25 +7,27 @@ import math
 from collections.abc import Mapping, Sequence
 
 from agent.domain.fluid import Attribution, Demand
-from agent.domain.turns import TurnSettings
+from agent.domain.turns import TurnSettings, nominal_cycle
 
 
 def cycle_length(
     settings: TurnSettings, taking_turns: Sequence[str], models: Mapping[str, Demand], typical_period_s: float
 ) -> float:
     """The next cycle: short where the waits between turns are (each turn costs one; short
-    cycles deliver a share evenly, which is what a request's latency sees), at most
-    ``cycle_s``. ``taking_turns``: the held containers, then those that yield."""
+    cycles deliver a share evenly, which is what a request's latency sees), at most the
+    nominal cycle (``cycle_s``, longer on a crowded GPU: :func:`nominal_cycle`).
+    ``taking_turns``: the held containers, then those that yield."""
+    nominal = nominal_cycle(settings, len(taking_turns))
     if len(taking_turns) < 2:
-        return settings.cycle_s  # nobody to take turns with: no wait to pay for
+        return nominal  # nobody to take turns with: no wait to pay for
     waits = []
     for key in taking_turns:
         wait = models[key].wait_s if key in models else None
-        waits.append(settings.cycle_s if wait is None else wait)
+        waits.append(nominal if wait is None else wait)
     # No shorter than a device sample: more turns per sample are more for the record to tell
     # apart, and no shorter than the sample shows.
-    shortest = min(settings.cycle_s, max(settings.min_cycle_s, typical_period_s))
-    return max(shortest, min(settings.cycle_s, settings.cycle_per_wait * sum(waits)))
+    shortest = min(nominal, max(settings.min_cycle_s, typical_period_s))
+    return max(shortest, min(nominal, settings.cycle_per_wait * sum(waits)))
 
 
 def drain_wait(

@@ -73,6 +73,12 @@ class TurnSettings:
     read_wait_share: float = 0.4  # a period's read of the samples waits this share of it at most
     first_drain_wait_s: float = 4.0  # the longest wait for a drain to show over in the samples
     min_cycle_s: float = 0.2  # the shortest cycle of turns
+    # A crowded GPU's cycle stretches so that its turns last this long on average (at most
+    # crowded_cycle_s): each turn costs a freeze and a thaw of a running process and a drain
+    # wait, and 16 shares of 6 % in a 0.5 s cycle had turns of 30 ms (the price: a small
+    # share waits up to the longer cycle for its next turn).
+    min_turn_s: float = 0.05
+    crowded_cycle_s: float = 2.0
     cycle_per_wait: float = 10.0  # a cycle is this many times the waits its turns cost (overhead 10 %)
     seen_periods: int = 2  # a drain is seen over this many device sample periods after it ended
 
@@ -86,9 +92,10 @@ class Account:
     measured_to: float  # wall time the measured balance runs to
     waiting_since: float  # frozen since (its last turn's end, or when it became held)
     unit: float = 0.0  # GPU seconds it runs after a freeze at most (a step, a graph in flight)
+    cycle_s: float | None = None  # its GPU's cycle where crowded (None: the settings' cycle_s)
 
     def quantum(self, settings: TurnSettings) -> float:
-        return self.share * settings.cycle_s
+        return self.share * (settings.cycle_s if self.cycle_s is None else self.cycle_s)
 
     def bank(self, settings: TurnSettings) -> float:
         """The most it may hold: enough to wait for others' turns, and for a whole unit of
@@ -195,3 +202,9 @@ def next_turn(
     thaw = (budget - drains.get(key, 0.0)) / rate
     thaw = min(settings.max_turn_s, max(settings.min_thaw_s, thaw))
     return Turn(key, at, at + thaw, at + thaw, drains.get(key, 0.0))
+
+
+def nominal_cycle(settings: TurnSettings, taking_turns: int) -> float:
+    """The cycle a GPU's quanta are shares of: ``cycle_s``, longer where so many take turns
+    that they would be shorter than ``min_turn_s`` on average."""
+    return max(settings.cycle_s, min(settings.crowded_cycle_s, taking_turns * settings.min_turn_s))
