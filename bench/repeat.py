@@ -46,6 +46,7 @@ BENCHES: dict[str, tuple[str, ...]] = {
     "guard_window": ("guard_window.py", "--rounds", "1", "--seconds", "1"),
     "ioctl_overhead": ("ioctl_overhead.py", "--rounds", "3", "--calls", "20000"),
     "metrics_auth": ("metrics_auth.py", "--rounds", "50"),
+    "named_mixes": ("named_mixes.py", "--seconds", "32"),
     "neighbours": ("neighbours.py", "--seconds", "10", "--settle", "5"),
     "quota_overshoot": ("quota_overshoot.py", "--trials", "1", "--cpu-seconds", "2"),
     "restarts": ("restarts.py", "--rounds", "20"),

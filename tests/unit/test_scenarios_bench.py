@@ -183,3 +183,15 @@ def test_a_bucket_holds_its_share_and_goes_into_debt_for_a_long_unit() -> None:
     bucket.settle(11.0, 2.0, settings, unit_s=0.0)  # a 2 s unit ran: in debt, it waits to repay
     assert bucket.balance == pytest.approx(0.15 + 0.3 - 2.0)
     assert bucket.now(11.0 + 1.55 / 0.3, 0.0) == pytest.approx(0.0)
+
+
+def test_the_named_mixes_run_and_score_every_container(capsys: pytest.CaptureFixture[str]) -> None:
+    import named_mixes
+
+    assert named_mixes.main(["--seconds", "32"]) == 0
+    out = capsys.readouterr().out
+    containers = sum(len(members) for _period, members in named_mixes.CASES.values())
+    assert out.count(" should ") == containers
+    got = result(out)
+    assert set(got) == {"worst_abs_pp", "worst_reading_pp", "longest_freeze_s"}
+    assert float(got["worst_abs_pp"]) > 0  # scored against the truth (none of them is exact)
