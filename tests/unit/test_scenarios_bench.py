@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import named_mixes  # noqa: E402
 import scenarios  # noqa: E402
 from scenario_buckets import Bucket, BucketSettings  # noqa: E402
 from scenario_mixes import PATTERN_KINDS, POLICIES, SAMPLE_PERIODS, Trace, generate_mix  # noqa: E402
@@ -186,8 +187,6 @@ def test_a_bucket_holds_its_share_and_goes_into_debt_for_a_long_unit() -> None:
 
 
 def test_the_named_mixes_run_and_score_every_container(capsys: pytest.CaptureFixture[str]) -> None:
-    import named_mixes
-
     assert named_mixes.main(["--seconds", "32"]) == 0
     out = capsys.readouterr().out
     containers = sum(len(members) for _period, members in named_mixes.CASES.values())
