@@ -9,8 +9,8 @@ Per GPU, each control period:
    fixed-share its cap; burst-share its ceiling while alone, its request while a neighbour
    is active; best-effort none) and decides who is *held*: a container measured over its
    target is held from then on; a held one that has not spent what it earned for
-   ``idle_hold_s`` (it needs less than its share) is released; nobody is held on stale
-   readings;
+   ``idle_hold_s`` (it needs less than its share), or that used ``release_under_pp`` under
+   its target for as long, is released; nobody is held on stale readings;
 3. between periods, :meth:`TurnLoop.due` runs the turns (:mod:`agent.domain.turns`): at
    each turn's start the held container whose turn it is is thawed and every other held
    one is frozen; unheld containers that use the GPU *yield* (are frozen) during held
@@ -46,6 +46,7 @@ class _GpuTurns:
     yielding: set[str] = field(default_factory=set)  # unheld containers that yield to turns
     order: list[str] = field(default_factory=list)  # ties go round-robin
     full_since: dict[str, float] = field(default_factory=dict)  # held, not spending, since
+    light_since: dict[str, float] = field(default_factory=dict)  # held, well under its target, since
     starved_since: dict[str, float] = field(default_factory=dict)  # unheld, yielding, short, since
     thaws: dict[str, collections.deque[tuple[float, float]]] = field(default_factory=dict)
     cycle: Cycle[str] | None = None
@@ -239,6 +240,15 @@ class TurnLoop:
             account.balance = min(account.balance, self.settings.idle_balance_quanta * quantum)
         full = self.settings.idle_balance_quanta * quantum if idle else account.bank(self.settings)
         unspent = account.balance >= full - 1e-9
+        # Held, but using well under its target all along: its turns are not what keeps it
+        # there (an open-loop server between requests); held, its long turns leave the GPU idle.
+        light = control.used < goal - self.settings.release_under_pp
+        if light:
+            if now - state.light_since.setdefault(key, now) >= self._idle_hold_s:
+                self._release(gpu, key)
+                return
+        else:
+            state.light_since.pop(key, None)
         if unspent:
             if now - state.full_since.setdefault(key, now) >= self._idle_hold_s:
                 self._release(gpu, key)  # it does not use what it earns: it needs less
@@ -249,6 +259,7 @@ class TurnLoop:
         state = self._gpus[gpu]
         self.meter.gpus[gpu].accounts.pop(key, None)
         state.full_since.pop(key, None)
+        state.light_since.pop(key, None)
         state.pending = [p for p in state.pending if p[1] != key]
         if state.turn is not None and state.turn.key == key:
             state.next_decision = self._now()

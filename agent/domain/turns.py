@@ -61,6 +61,7 @@ class TurnSettings:
     # Who is held (control/turnloop.py):
     active_percent: float = 5.0  # a container using this much of the GPU wants its share
     hold_margin_pp: float = 1.0  # an unheld container is held once measured this far over its target
+    release_under_pp: float = 8.0  # a held one this far under its target over 4 s (idle_hold_s) is released
     starved_pp: float = 3.0  # ...or, yielding to others' turns, this far under it
     starved_s: float = 4.0  # ...for this long (not a start-up, not a pause of its own), on a booked GPU
     booked_percent: float = 95.0  # active containers' targets add up to this much: the GPU is booked
