@@ -5,7 +5,7 @@ is held once a backlog runs off over its target in one second. Held, its turns l
 has run its quantum (at its low rate: most of a second), alone on the GPU: its neighbour, a
 trainer owed the other 48, sat frozen through them and got 27 % of the GPU. Released once its
 use has stayed 8 points under its target for ``idle_hold_s``, it runs beside the trainer's
-turns and the trainer gets nearly its share, the server still all of its own."""
+turns and the trainer gets most of its share (38-43 %), the server still all of its own."""
 
 from __future__ import annotations
 
