@@ -119,6 +119,11 @@ class CgroupSettings:
     proc_root: Path = Path("/proc")
     device_guard: GuardMode = GuardMode.ENFORCE
     guard_interval_s: float = 2.0  # re-check (and re-attach) device rules this often
+    # The gate's full pass over every pod cgroup, beside its inotify watch (which gates a pod
+    # the moment its cgroup appears): a backstop for missed events and exemptions that
+    # changed. Rarer than the guard's: the guard re-checks each container's own rules (what
+    # a runtime's update replaces) every guard_interval_s, and both must allow a device.
+    gate_recheck_s: float = 10.0
     own_pod_uid: str = ""  # the agent's own pod: never guarded (it needs /dev/nvidia* for NVML)
     guard_exempt_namespaces: frozenset[str] = frozenset()  # where the exempt annotation counts
 

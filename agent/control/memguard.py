@@ -172,6 +172,7 @@ class MemoryGuard:
         self._passed: set[ProcessIdentity] = set()  # not killed (reused, protected): said once
         self._denied: set[int] = set()  # cgroup ids in the LSM program's map
         self._deny_failed: set[int] = set()  # cgroup ids whose map update failed (logged once)
+        self.over: set[str] = set()  # the containers over their quota at the last check
 
     def stats(self) -> dict[str, int]:
         """Counters by action, for metrics: kills, audits, skipped."""
@@ -195,7 +196,9 @@ class MemoryGuard:
                 enforced_in_kernel = self._update_deny(self._deny, view.cgroup_id, verdict)
             if not verdict.over:
                 self._reported.discard(view.key)
+                self.over.discard(view.key)
                 continue
+            self.over.add(view.key)
             if self.mode is MemoryQuotaMode.AUDIT or enforced_in_kernel:
                 action = self._report_once(view, verdict)
             else:
@@ -203,6 +206,7 @@ class MemoryGuard:
             if action is not None:
                 done.append(action)
         if not partial:
+            self.over &= seen_keys
             self._forget(containers, seen_keys, seen_cgroups)
         return done
 

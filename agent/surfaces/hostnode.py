@@ -77,7 +77,7 @@ class HostIntegration:
             self.resolver,
             gate_rules(rules),
             mode=mode,
-            interval_s=self.cgroup_settings.guard_interval_s,
+            interval_s=self.cgroup_settings.gate_recheck_s,
             proc_root=self.cgroup_settings.proc_root,
             settled=targets.settled,
         )

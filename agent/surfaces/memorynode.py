@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.clock import Clock, SystemClock
@@ -76,6 +77,11 @@ class MemoryIntegration:
         self._by_gpu: dict[int, int] = {}
         self._reported: set[str] = set()
         self.read_errors = 0  # failed per-process memory reads (metrics: vcuda_nvml_errors_total)
+        # The inputs of the last full check when it found nobody over or near a quota, and
+        # its use per container: a full check that reads the same again judges nothing anew.
+        self._quiet_inputs: _Inputs | None = None
+        self._quiet_usage: dict[str, Usage] = {}
+        self.repeats = 0  # full checks that read what the last one judged (status, tests)
 
     def run(self, stop: threading.Event) -> None:
         base = self.settings.memory_check_s
@@ -122,38 +128,28 @@ class MemoryIntegration:
             self._idle_read_at = now
         gpus = gpus_to_read(self._gpus, specs.values(), idle_due=idle_due)
         traced, times = self._traced() if specs else (None, None)  # nobody to judge: no read
-        grouped: dict[ContainerRef, list[ProcessMemory]] = {}
-        by_gpu: dict[int, int] = {}
+        read: dict[int, list[ProcessMemory]] = {}
         for gpu in gpus:
             try:
-                memory = self._backend.process_memory(gpu.index)
+                read[gpu.index] = self._backend.process_memory(gpu.index)
             except VcudaError as err:
                 self.read_errors += 1
                 self._report(f"cannot read GPU {gpu.index} process memory: {err}")
-                continue
-            by_gpu[gpu.index] = sum(m.used_bytes for m in memory) // MIB
-            for m in memory:
-                ref = self._owner(m.pid)
-                if ref in specs:
-                    grouped.setdefault(ref, []).append(m)
-        # Allocations NVML does not show yet belong to their container too: one owner lookup
-        # per traced pid, not one per pid and container.
-        traced_by_ref: dict[ContainerRef, dict[int, int]] = {}
-        for pid, held in (traced or {}).items():
-            ref = self._owner(pid)
-            if ref in specs:
-                traced_by_ref.setdefault(ref, {})[pid] = held
-        views = [
-            self._view(
-                spec, grouped.get(ref, []), None if traced is None else traced_by_ref.get(ref, {}), times
-            )
-            for ref, spec in specs.items()
-        ]
+        inputs = None
+        if only is None:
+            inputs = _Inputs.of(specs.values(), read, traced, times, self._host.processes.identity)
+            if inputs == self._quiet_inputs:
+                # What was read is what the last full check judged, and nobody was over
+                # then: the same judgement again. Only the cadence hears of it (its rates).
+                self._next_check_s = self.cadence.after_check(now, self._quiet_usage)
+                self.repeats += 1
+                return
+        views, by_gpu = self._views(specs, read, traced, times)
         usage = {v.key: sum(p.used_bytes for p in v.processes) // MIB for v in views}
         with self._lock:
             if only is None:
-                read = {g.index for g in gpus}
-                kept = {i: mib for i, mib in self._by_gpu.items() if i not in read}  # not due
+                attempted = {g.index for g in gpus}
+                kept = {i: mib for i, mib in self._by_gpu.items() if i not in attempted}  # not due
                 self._by_container, self._by_gpu = usage, {**kept, **by_gpu}
             else:
                 self._by_container.update(usage)
@@ -165,9 +161,43 @@ class MemoryIntegration:
         }
         now = self._clock.monotonic()
         self._next_check_s = self.cadence.after_check(now, quotas, partial=only is not None)
-        for action in self.guard.check(views, partial=only is not None):
+        actions = self.guard.check(views, partial=only is not None)
+        for action in actions:
             detail = f"{format_mib(action.used_bytes)} used of a {format_mib(action.quota_bytes)} quota"
             self._actions.record(action.key, action.action, detail)
+        quiet = only is None and not actions and not self.guard.over and not self.cadence.fast()
+        self._quiet_inputs = inputs if quiet else None
+        self._quiet_usage = quotas if quiet else {}
+
+    def _views(
+        self,
+        specs: dict[ContainerRef, EnforcementSpec],
+        read: dict[int, list[ProcessMemory]],
+        traced: dict[int, int] | None,
+        times: dict[int, int] | None,
+    ) -> tuple[list[MemoryView], dict[int, int]]:
+        """Each container's view (its processes' memory, what the tracer adds), and MiB per GPU."""
+        by_gpu: dict[int, int] = {}
+        grouped: dict[ContainerRef, list[ProcessMemory]] = {}
+        for index, memory in read.items():
+            by_gpu[index] = sum(m.used_bytes for m in memory) // MIB
+            for m in memory:
+                ref = self._owner(m.pid)
+                if ref in specs:
+                    grouped.setdefault(ref, []).append(m)
+        # Allocations NVML does not show yet belong to their container too: one owner lookup
+        # per traced pid, not one per pid and container.
+        traced_by_ref: dict[ContainerRef, dict[int, int]] = {}
+        for pid, held in (traced or {}).items():
+            ref = self._owner(pid)
+            if ref in specs:
+                traced_by_ref.setdefault(ref, {})[pid] = held
+        return [
+            self._view(
+                spec, grouped.get(ref, []), None if traced is None else traced_by_ref.get(ref, {}), times
+            )
+            for ref, spec in specs.items()
+        ], by_gpu
 
     def _view(
         self,
@@ -224,6 +254,35 @@ class MemoryIntegration:
     def gpu_used_mib(self, index: int) -> int | None:
         with self._lock:
             return self._by_gpu.get(index)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Everything a full check judges from: the containers and their quotas, what NVML read
+    per GPU, and the tracer's bytes and allocation times. Equal inputs, equal verdicts."""
+
+    specs: tuple[tuple[str, str, int | None], ...]
+    memory: tuple[tuple[int, tuple[ProcessMemory, ...]], ...]
+    processes: tuple[ProcessIdentity | None, ...]  # of the pids NVML listed: a reused pid differs
+    traced: tuple[tuple[int, int], ...] | None
+    times: tuple[tuple[int, int], ...] | None
+
+    @classmethod
+    def of(
+        cls,
+        specs: Iterable[EnforcementSpec],
+        read: dict[int, list[ProcessMemory]],
+        traced: dict[int, int] | None,
+        times: dict[int, int] | None,
+        identity: Callable[[int], ProcessIdentity | None],
+    ) -> _Inputs:
+        return cls(
+            tuple((s.label, s.container_id, s.memory_quota_mib) for s in specs),
+            tuple((index, tuple(memory)) for index, memory in read.items()),
+            tuple(identity(m.pid) for memory in read.values() for m in memory),
+            None if traced is None else tuple(traced.items()),
+            None if times is None else tuple(times.items()),
+        )
 
 
 def gpus_to_read(
