@@ -11,7 +11,9 @@ from agent.platform.gpu.sim.programs import PatternSpec
 from tests.unit.enforcer_plant import Rig, spec
 
 
-@pytest.mark.parametrize(("taking_turns", "cycle"), [(0, 0.5), (4, 0.5), (5, 0.5), (10, 1.0), (16, 1.6), (60, 2.0)])
+@pytest.mark.parametrize(
+    ("taking_turns", "cycle"), [(0, 0.5), (4, 0.5), (5, 0.5), (10, 1.0), (16, 1.6), (60, 2.0)]
+)
 def test_the_cycle_stretches_only_where_turns_would_be_short(taking_turns: int, cycle: float) -> None:
     assert nominal_cycle(TurnSettings(), taking_turns) == pytest.approx(cycle)
 
