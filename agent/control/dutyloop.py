@@ -74,6 +74,9 @@ class DutyLoop:
     def stale(self, gpu: int) -> str | None:
         return self.meter.stale(gpu)
 
+    def read_every(self, gpu: int) -> int:
+        return 1  # a duty cycle is as long as a few periods: each one counts
+
     def reset(self, gpu: int) -> None:
         self._held.pop(gpu, None)
         self._actions = [a for a in self._actions if a[2] != gpu]

@@ -160,15 +160,18 @@ class Enforcer:
         self._holders = chosen
         # A GPU with no container under control is read once a second (for its status), not
         # every period, where turns hold it: an idle node costs next to nothing.
+        # A crowded GPU (turns in a stretched cycle) is read and decided once in a few periods
+        # (TurnLoop.read_every), staggered by GPU; its turns go on between.
         occupied = {c.spec.gpus[0] for c in self._controls.values() if c.spec.gpus}
         every = max(1, round(self.idle_read_s / self.period_s))
+        due = {g for g in self._gpus if (index + g) % chosen[g].read_every(g) == 0}
         for strategy in self._strategies:
-            gpus = [g for g in self._gpus if chosen[g] is strategy]
+            gpus = [g for g in self._gpus if chosen[g] is strategy and g in due]
             if strategy is self.turns:
                 gpus = [g for g in gpus if g in occupied or index % every == 0]
             strategy.read(gpus, index, start)
         self.stats.measure_errors = sum(s.errors for s in self._strategies)
-        held = self._control(chosen)
+        held = self._control(chosen, due)
         self.stats.periods += 1
         self.stats.observe(self._clock.monotonic() - work_start)
         if not self.enabled:
@@ -197,9 +200,9 @@ class Enforcer:
                             self._freeze(control, gpu)
 
     # Controlling ------------------------------------------------------------------------------
-    def _control(self, chosen: dict[int, GpuStrategy]) -> dict[int, list[ContainerControl]]:
-        """Targets and whom to hold, per GPU by its strategy; returns the held containers
-        the actuator can act on, per GPU."""
+    def _control(self, chosen: dict[int, GpuStrategy], due: set[int]) -> dict[int, list[ContainerControl]]:
+        """Targets and whom to hold, per GPU by its strategy (the GPUs ``due`` this period);
+        returns the held containers the actuator can act on, per GPU decided."""
         by_gpu: dict[int, dict[str, EnforcementSpec]] = {gpu: {} for gpu in self._gpus}
         for spec in self._specs():
             if spec.container_id and spec.gpus and spec.gpus[0] in by_gpu:
@@ -211,6 +214,8 @@ class Enforcer:
                 self._drop(self._controls.pop(key))
             for gpu, on_gpu in by_gpu.items():
                 strategy = chosen[gpu]
+                if gpu not in due and all(key in self._controls for key in on_gpu):
+                    continue  # decided at its next read (a new container: now)
                 stale = self._note_stale(gpu, strategy.stale(gpu))
                 controls = [self._control_of(key, spec) for key, spec in on_gpu.items()]
                 self._views[gpu] = strategy.view(gpu, stale, controls)

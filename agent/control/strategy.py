@@ -56,6 +56,10 @@ class GpuStrategy(Protocol):
         """Why the GPU's readings cannot be acted on now (None: they can)."""
         ...
 
+    def read_every(self, gpu: int) -> int:
+        """The GPU is read and its holds decided every this many periods (1: every one)."""
+        ...
+
     def reset(self, gpu: int) -> None:
         """Its containers were released (stale readings), or another strategy holds the GPU
         now: nothing of this one's is due there until it is asked again."""

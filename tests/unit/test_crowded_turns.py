@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from agent.domain.turns import Account, TurnSettings, nominal_cycle
+from agent.platform.gpu.inventory import DeviceSample
 from agent.platform.gpu.sim.programs import PatternSpec
 from tests.unit.enforcer_plant import Rig, spec
 
@@ -25,6 +26,29 @@ def test_a_quantum_is_a_share_of_its_gpus_cycle() -> None:
     assert account.quantum(TurnSettings()) == pytest.approx(0.048)
 
 
+def count_reads(rig: Rig) -> list[float]:
+    """The times the enforcer reads the GPU's device samples from here on."""
+    reads: list[float] = []
+    read = rig.gpu.device_samples
+
+    def counted(index: int, since_us: int) -> list[DeviceSample]:
+        reads.append(rig.clock.monotonic())
+        return read(index, since_us)
+
+    rig.gpu.device_samples = counted  # type: ignore[method-assign]
+    return reads
+
+
+def test_an_uncrowded_gpu_is_read_every_period() -> None:
+    rig = Rig()
+    for name in ("a", "b", "c", "d"):
+        rig.add(name, PatternSpec("train", kernel_ms=2.0), spec(name, 20))
+    rig.run_for(5.0)
+    reads = count_reads(rig)
+    rig.run_for(5.0)
+    assert len(reads) == 20
+
+
 def test_sixteen_shares_of_six_hold_with_at_most_a_turn_each_per_stretched_cycle() -> None:
     rig = Rig()
     names = [f"c{i}" for i in range(16)]
@@ -32,7 +56,10 @@ def test_sixteen_shares_of_six_hold_with_at_most_a_turn_each_per_stretched_cycle
         rig.add(name, PatternSpec("train", kernel_ms=2.0), spec(name, 6))
     rig.run_for(10.0)
     freezes = {name: len(rig.gpu.containers[name].freezes) for name in names}
+    reads = count_reads(rig)
     rig.run_for(20.0)
+    # Read and decided once in 3 periods (its cycle stretched 3.2-fold), not every one.
+    assert 20 / 0.25 / 3 - 2 <= len(reads) <= 20 / 0.25 / 3 + 2, len(reads)
     turns_per_s = [(len(rig.gpu.containers[n].freezes) - freezes[n]) / 2 / 20 for n in names]
     assert max(turns_per_s) <= 1 / 1.6, turns_per_s  # at most one per 1.6 s cycle
     # Each near its 6 (16 x 6 books the GPU: context switches and drain waits take some of
