@@ -4,7 +4,7 @@ Each pass takes the desired targets (one per container: its pod, its GPU minors 
 "no GPU"), resolves each container's cgroup, and makes the rules hold through a
 ``DeviceRules`` mechanism (v1 devices.deny or the v2 BPF program): new containers get
 rules, existing ones are verified and repaired (a runtime update may have detached
-the program), containers that are no longer targets get their rules taken back.
+the program) at the cgroup they were found in, without resolving it again, containers that are no longer targets get their rules taken back.
 A container whose cgroup does not exist yet is *pending*; a failure on one container
 never stops the others, and each problem is logged once, not every pass.
 
@@ -180,6 +180,9 @@ class DeviceGuard:
         return report
 
     def _apply(self, key: tuple[str, str], target: GuardTarget, report: ReconcileReport) -> None:
+        previous = self._guarded.get(key)
+        if previous is not None and previous.target == target and self._verify(key, previous, report):
+            return
         controller = self._rules.controller
         dirs = None
         try:
@@ -207,11 +210,32 @@ class DeviceGuard:
                 return
             self._fail(key, f"device guard: {target.label}: {err}", report)
             return
-        self._guarded[key] = _Guarded(target, dirs.scope)
+        self._record(key, _Guarded(target, dirs.scope), outcome, report)
+
+    def _verify(self, key: tuple[str, str], guarded: _Guarded, report: ReconcileReport) -> bool:
+        """A container guarded with the same target last pass: its rules are checked (and
+        repaired) at the cgroup found then, without resolving the cgroup again (a container's
+        cgroup keeps its path while it lives; the rules tell a re-created one by its inode).
+        False where that fails (the cgroup went, say): the caller resolves it afresh."""
+        target = guarded.target
+        policy = DevicePolicy(target.gpu_minors, target.cap_minors)
+        try:
+            outcome = self._rules.ensure(guarded.scope, policy, self.mode == GuardMode.AUDIT)
+        except (VcudaError, ValueError):
+            return False
+        self._record(key, guarded, outcome, report)
+        return True
+
+    def _record(
+        self, key: tuple[str, str], guarded: _Guarded, outcome: Outcome, report: ReconcileReport
+    ) -> None:
+        target = guarded.target
+        self._guarded[key] = guarded
         self._resolved(key, target.label)
         if outcome == Outcome.APPLIED:
             report.applied.append(target.label)
-            self._log_applied(target, dirs.scope, policy, audit)
+            policy = DevicePolicy(target.gpu_minors, target.cap_minors)
+            self._log_applied(target, guarded.scope, policy, self.mode == GuardMode.AUDIT)
         elif outcome == Outcome.REPAIRED:
             self._reattachments += 1
             report.reattached.append(target.label)

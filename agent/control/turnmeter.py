@@ -242,7 +242,7 @@ class TurnMeter:
                 continue
             since, until = at - window + period / 2, at + period / 2  # the periods that end in it
             given = {k: max(0.0, _between(h, since, until)) for k, h in data.work.items()}
-            periods = [(c, owner) for t, c, owner in reversed(data.candidates) if since < t <= until]
+            periods = _candidates_between(data.candidates, since, until)
             quiet_since = since - (self._credits.solo_quiet_windows - 1) * window
             credited = {k for t, k, _u in _tail(data.credits, quiet_since) if t <= until}
             moved: dict[str, float] = {}
@@ -370,6 +370,20 @@ def _between(history: Reversible[tuple[float, float]], since: float, until: floa
         if end <= until:
             total += seconds
     return total
+
+
+def _candidates_between(
+    candidates: Reversible[tuple[float, frozenset[str], str | None]], since: float, until: float
+) -> list[tuple[frozenset[str], str | None]]:
+    """The (who could have run, who was thawed through) of the periods ending in (since,
+    until], newest first, from a time-ordered history (a window is a small tail of it)."""
+    out = []
+    for end, could, through in reversed(candidates):
+        if end <= since:
+            break
+        if end <= until:
+            out.append((could, through))
+    return out
 
 
 def _insert(history: collections.deque[tuple[float, float]], end: float, seconds: float) -> None:

@@ -47,6 +47,8 @@ class RecordingRules:
         self.calls.append(("ensure", cgroup_dir))
         if cgroup_dir in self.failing:
             raise GuardError(self.failing[cgroup_dir])
+        if not cgroup_dir.is_dir():  # as both mechanisms: nothing to open or write
+            raise GuardError(f"cannot open cgroup {cgroup_dir}: No such file or directory")
         known = cgroup_dir in self.in_place
         self.in_place[cgroup_dir] = (policy, audit)
         if not known:
@@ -269,3 +271,30 @@ def test_targets_not_ready_at_start_up_skip_the_pass_without_an_error(tree: Path
     guard.reconcile_once()
     assert path in rules.in_place
     assert guard.stats().errors == 0
+
+
+def test_a_guarded_container_is_verified_where_it_was_found_without_resolving_its_cgroup_again(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rules = RecordingRules()
+    targets = [target(UID_A, CID_1, frozenset({0}), "a")]
+    guard = make_guard(tree, targets, rules)
+    path = scope(tree, UID_A, CID_1)
+    resolved: list[str] = []
+    original = CgroupResolver.container_dirs
+
+    def counting(self: CgroupResolver, *args: object, **kwargs: object) -> object:
+        resolved.append(str(args[0]))
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CgroupResolver, "container_dirs", counting)
+    assert guard.reconcile_once().applied == ["ns/a/main"] and len(resolved) == 1
+    rules.undone.add(path)  # a runtime update undid the rules: still repaired on the next pass
+    assert guard.reconcile_once().reattached == ["ns/a/main"]
+    assert guard.reconcile_once().unchanged == 1 and len(resolved) == 1
+    # A changed target (its GPUs) is resolved afresh; so is one whose cgroup went.
+    targets[0] = target(UID_A, CID_1, frozenset({1}), "a")
+    assert guard.reconcile_once().unchanged == 1 and len(resolved) == 2
+    assert rules.in_place[path] == (DevicePolicy(frozenset({1})), False)
+    path.rmdir()
+    assert guard.reconcile_once().pending == ["ns/a/main"] and len(resolved) == 3
