@@ -47,6 +47,7 @@ from agent.platform.gpu.inventory import (
 )
 from agent.platform.gpu.migcontrol import MigControl
 from agent.platform.gpu.migstate import MigInfo
+from agent.platform.threadname import set_native_name
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class _GpuWorker:
         return f"{call} did not return within {self._deadline_s:g} s"
 
     def _run(self) -> None:
+        set_native_name(threading.current_thread().name)  # per-thread CPU tells the GPUs' calls apart
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closed)
