@@ -3,10 +3,11 @@
 Each pass takes the desired targets (one per container: its pod, its GPU minors or
 "no GPU"), resolves each container's cgroup, and makes the rules hold through a
 ``DeviceRules`` mechanism (v1 devices.deny or the v2 BPF program): new containers get
-rules, existing ones are verified and repaired (a runtime update may have detached
-the program) at the cgroup they were found in, without resolving it again, containers that are no longer targets get their rules taken back.
-A container whose cgroup does not exist yet is *pending*; a failure on one container
-never stops the others, and each problem is logged once, not every pass.
+rules, existing ones are verified and repaired (a runtime update may have detached the
+program) at the cgroup they were found in, without resolving it again; containers that
+are no longer targets get their rules taken back. A container whose cgroup does not
+exist yet is *pending*; a failure on one container never stops the others, and each
+problem is logged once, not every pass.
 
 Modes: ``enforce`` (default); ``audit`` changes no access: it logs what would be
 denied, and on cgroup v2 attaches the program in counting-only mode so the attempts
