@@ -42,7 +42,7 @@ from agent.control.usagemeter import SampleSource
 from agent.domain.annotations import Policy
 from agent.domain.specs import EnforcementSpec
 from agent.emulators.containers import remove_cgroup_dir
-from agent.emulators.enforcednode import NODE, start_gpu_server, stop_process
+from agent.emulators.enforcednode import NODE, exit_on_sigterm, start_gpu_server, stop_process
 from agent.errors import ProcessGoneError
 from agent.platform.cgroups.layout import detect_layout
 from agent.platform.cgroups.paths import ContainerRef
@@ -271,4 +271,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops what it started
     raise SystemExit(main())

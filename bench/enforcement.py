@@ -63,7 +63,7 @@ from pathlib import Path
 from enforcement_model import Box, Run, run_model
 
 from agent.domain.annotations import POLICY
-from agent.emulators.enforcednode import enforced_node
+from agent.emulators.enforcednode import enforced_node, exit_on_sigterm
 from agent.platform.gpu.sim.programs import PATTERNS, PatternSpec
 
 WINDOW_S = 0.5
@@ -430,4 +430,5 @@ def main(argv: list[str] | None = None, real: Runner = run_real) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops what it started
     raise SystemExit(main())

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.emulators.enforcednode import enforced_node
+from agent.emulators.enforcednode import enforced_node, exit_on_sigterm
 from agent.errors import ProcessGoneError
 from agent.platform.procfs import ProcFS
 
@@ -188,4 +188,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops what it started
     main()

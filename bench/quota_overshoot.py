@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.emulators.enforcednode import EnforcedNode, enforced_node, wait_for
+from agent.emulators.enforcednode import EnforcedNode, enforced_node, exit_on_sigterm, wait_for
 
 QUOTA_MIB = 1024
 START_MIB = 64
@@ -200,4 +200,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a killed run stops what it started
     raise SystemExit(main())

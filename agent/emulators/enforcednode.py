@@ -311,6 +311,17 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
             proc.wait()
 
 
+def exit_on_sigterm() -> None:
+    """A script's SIGTERM (``timeout``, ``kill``) raises SystemExit, so that ``enforced_node``
+    stops its agent, GPU server and workloads and removes their cgroups; by default Python
+    dies on the spot and leaves them all running. For the main thread of a bench script."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 @contextlib.contextmanager
 def enforced_node(
     workdir: Path,
