@@ -63,6 +63,10 @@ class GuardTarget:
     def key(self) -> tuple[str, str]:
         return self.pod_uid, bare_container_id(self.container_id)
 
+    @property
+    def policy(self) -> DevicePolicy:
+        return DevicePolicy(self.gpu_minors, self.cap_minors)
+
 
 @dataclass
 class ReconcileReport:
@@ -135,6 +139,10 @@ class DeviceGuard:
         self._lock = threading.Lock()
 
     @property
+    def _audit(self) -> bool:
+        return self.mode == GuardMode.AUDIT
+
+    @property
     def mechanism(self) -> str:
         if self.mode == GuardMode.OFF:
             return "none"
@@ -199,12 +207,9 @@ class DeviceGuard:
             if not dirs.scope.is_relative_to(root):  # a guard against a resolver bug: never stray
                 raise GuardError(f"{dirs.scope} is outside {root}; not touching it")
             self._pending.discard(key)
-            previous = self._guarded.get(key)
             if previous is not None and previous.scope != dirs.scope:
                 self._forget(key)
-            policy = DevicePolicy(target.gpu_minors, target.cap_minors)
-            audit = self.mode == GuardMode.AUDIT
-            outcome = self._rules.ensure(dirs.scope, policy, audit)
+            outcome = self._rules.ensure(dirs.scope, target.policy, self._audit)
         except (VcudaError, ValueError) as err:
             if dirs is not None and not dirs.scope.is_dir():
                 report.pending.append(target.label)  # the container went while we looked
@@ -218,10 +223,8 @@ class DeviceGuard:
         repaired) at the cgroup found then, without resolving the cgroup again (a container's
         cgroup keeps its path while it lives; the rules tell a re-created one by its inode).
         False where that fails (the cgroup went, say): the caller resolves it afresh."""
-        target = guarded.target
-        policy = DevicePolicy(target.gpu_minors, target.cap_minors)
         try:
-            outcome = self._rules.ensure(guarded.scope, policy, self.mode == GuardMode.AUDIT)
+            outcome = self._rules.ensure(guarded.scope, guarded.target.policy, self._audit)
         except (VcudaError, ValueError):
             return False
         self._record(key, guarded, outcome, report)
@@ -235,8 +238,7 @@ class DeviceGuard:
         self._resolved(key, target.label)
         if outcome == Outcome.APPLIED:
             report.applied.append(target.label)
-            policy = DevicePolicy(target.gpu_minors, target.cap_minors)
-            self._log_applied(target, guarded.scope, policy, self.mode == GuardMode.AUDIT)
+            self._log_applied(target, guarded.scope)
         elif outcome == Outcome.REPAIRED:
             self._reattachments += 1
             report.reattached.append(target.label)
@@ -244,8 +246,9 @@ class DeviceGuard:
         else:
             report.unchanged += 1
 
-    def _log_applied(self, target: GuardTarget, scope: Path, policy: DevicePolicy, audit: bool) -> None:
-        if not audit:
+    def _log_applied(self, target: GuardTarget, scope: Path) -> None:
+        policy = target.policy
+        if not self._audit:
             log.info("device guard: %s limited to %s (%s)", target.label, policy.describe(), scope)
             return
         try:
