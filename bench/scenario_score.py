@@ -27,6 +27,15 @@ clipped to the window, of a container short by more than BAND_PP there),
 over the trailing SHORT_WINDOW_S was frozen with work it could not run: :func:`idle_while_short`),
 ``view_p95_err_pp`` (the controller's reading over 10 s against the truth over the same 10 s)
 and ``settle_p95_s`` (:func:`settle_s`).
+
+Each phase also has its *time one at a time* (:func:`one_at_a_time`): the share of the wall
+clock its containers would need to get their expected shares if each ran alone in turns,
+the sum of expected / alone. Up to 1, a schedule of exclusive turns can give every container
+what it should get (less what switching and drains cost); over 1 it cannot, and the rest
+must come from running containers together, where the GPU time-slices them evenly whatever
+each is owed (a container that thinks between steps loses part of its own use to a busy
+neighbour, and no freezer acts fast enough to give it the GPU only while it has work).
+:func:`by_one_at_a_time` scores the pairs of each class apart.
 """
 
 from __future__ import annotations
@@ -182,6 +191,7 @@ class Record:
     settle_s: float
     longest_freeze_s: float
     short: bool
+    one_at_a_time: float = 0.0  # its phase's (see the module docstring)
 
 
 @dataclass
@@ -205,12 +215,21 @@ def expected_of(mix: Mix, refs: References, phase: int) -> tuple[list[Member], l
     return members, claims, expected_shares(claims, refs.capacity[phase])
 
 
+ALONE_FLOOR_PCT = 0.5  # a container using less alone needs no time of its own
+
+
+def one_at_a_time(claims: Sequence[Claim], wants: Sequence[float]) -> float:
+    """The share of the wall clock the phase's containers need one at a time (module docstring)."""
+    return sum(w / c.alone for c, w in zip(claims, wants, strict=True) if c.alone >= ALONE_FLOOR_PCT)
+
+
 def score_mix(controller: str, mix: Mix, refs: References, trace: Trace, settle: float) -> MixScore:
     out = MixScore(controller, mix)
     for phase in (0, 1):
         start, end = mix.window(phase, settle)
         phase_start = start - settle
         members, claims, wants = expected_of(mix, refs, phase)
+        needs = one_at_a_time(claims, wants)
         for i, (m, want) in enumerate(zip(members, wants, strict=True)):
             got = trace.pct(m.name, start, end)
             out.records.append(
@@ -232,6 +251,7 @@ def score_mix(controller: str, mix: Mix, refs: References, trace: Trace, settle:
                     settle_s=settle_s(trace, m.name, phase_start, end, want),
                     longest_freeze_s=longest_freeze(trace.freezes.get(m.name, []), start, end),
                     short=got < want - BAND_PP,
+                    one_at_a_time=needs,
                 )
             )
         out.scored_s += end - start
@@ -255,6 +275,26 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(x)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
+
+
+ONE_AT_A_TIME_CLASSES = ((0.0, 0.9, "<= 0.9"), (0.9, 1.1, "0.9-1.1"), (1.1, math.inf, "> 1.1"))
+
+
+def by_one_at_a_time(scores: Sequence[MixScore]) -> list[tuple[str, str, int, float, float]]:
+    """(class of the phase's time one at a time, policy group, pairs, within3, p95_abs_pp),
+    guaranteed (fixed and burst shares) and best-effort apart."""
+    records = [r for s in scores for r in s.records]
+    out = []
+    for low, high, label in ONE_AT_A_TIME_CLASSES:
+        for group, best in (("guaranteed", False), ("best-effort", True)):
+            these = [
+                r for r in records if low < r.one_at_a_time <= high and (r.policy == "best-effort") == best
+            ]
+            if these:
+                within = sum(abs(r.error) <= BAND_PP for r in these) / len(these)
+                p95 = percentile([abs(r.error) for r in these], 0.95)
+                out.append((label, group, len(these), within, p95))
+    return out
 
 
 def figures(scores: Sequence[MixScore]) -> dict[str, float]:

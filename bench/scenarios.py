@@ -24,8 +24,11 @@ own 10 s reading against the truth) and ``settle_p95_s``.
         [--table] [--json PATH]
 
 Output: with ``--table`` a markdown table per mix; a summary table per controller and sample
-period; last line ``RESULT within3=... p95_abs_pp=... ... mixes=N seed=S`` (with several
-controllers each figure is prefixed with the controller's name: ``turns_within3=...``).
+period; a table of ``within3`` by each phase's time one at a time (bench/scenario_score.py:
+up to 0.9 exclusive turns could give everyone what it should get, over 1.1 only running
+together can), guaranteed and best-effort containers apart; last line ``RESULT within3=...
+p95_abs_pp=... ... mixes=N seed=S`` (with several controllers each figure is prefixed with
+the controller's name: ``turns_within3=...``).
 
 A controller is a :class:`~scenario_mixes.ModelController` built by a factory
 ``(VirtualGpuNode, specs, VirtualClock) -> ModelController``; :func:`register` adds one (a
@@ -45,7 +48,7 @@ from pathlib import Path
 from enforcement_model import PERIOD_S, model_enforcer
 from scenario_mixes import ControllerFactory, Mix, References, generate_mix, references
 from scenario_mixes import simulate as simulate_mix
-from scenario_score import FIGURES, MixScore, figures, score_mix
+from scenario_score import FIGURES, MixScore, by_one_at_a_time, figures, score_mix
 
 from agent.clock import VirtualClock
 from agent.control.enforcer import Enforcer
@@ -171,6 +174,17 @@ def summary(scores: dict[str, list[MixScore]]) -> list[str]:
     return lines
 
 
+def demand_table(scores: dict[str, list[MixScore]]) -> list[str]:
+    """within3 by the phase's time one at a time (bench/scenario_score.py): up to 0.9 exclusive
+    turns could give everyone what it should get; over 1.1 only running together can."""
+    lines = ["| controller | time one at a time | containers | pairs | within3 | p95_abs_pp |"]
+    lines.append("|" + "---|" * 6)
+    for name, per_mix in scores.items():
+        for label, group, n, within, p95 in by_one_at_a_time(per_mix):
+            lines.append(f"| {name} | {label} | {group} | {n} | {within:.3f} | {p95:.2f} |")
+    return lines
+
+
 def result_line(scores: dict[str, list[MixScore]], mixes: int, seed: int) -> str:
     parts = []
     for name, per_mix in scores.items():
@@ -205,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.settle:g} s, controllers {', '.join(args.names)}: {time.monotonic() - started:.1f} s"
     )
     print("\n".join(summary(scores)))
+    print("\n".join(["", *demand_table(scores)]))
     if args.json is not None:
         rows = [row for per_mix in scores.values() for s in per_mix for row in s.rows()]
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -19,9 +19,13 @@ from scenario_mixes import PATTERN_KINDS, POLICIES, SAMPLE_PERIODS, Trace, gener
 from scenario_score import (  # noqa: E402
     FIGURES,
     Claim,
+    MixScore,
+    Record,
+    by_one_at_a_time,
     expected_shares,
     idle_while_short,
     longest_freeze,
+    one_at_a_time,
     settle_s,
     target,
     water_fill,
@@ -76,6 +80,54 @@ def series(rates: list[tuple[float, float]], step: float = 0.05) -> list[float]:
             total += step * percent / 100
             out.append(total)
     return out
+
+
+def test_the_time_one_at_a_time_adds_what_each_needs_of_the_clock_alone() -> None:
+    # A loop busy 75 % of its time needs 40 / 75 of the clock for 40 % of the GPU; a GPU-bound
+    # 50 needs half of it: together more than the clock has, as on the demo's GPU 1.
+    claims = [burst(40, 75.0), fixed(50, 100.0)]
+    assert one_at_a_time(claims, expected_shares(claims, 100.0)) == pytest.approx(40 / 75 + 0.5)
+    # One that does not use the GPU alone needs none of the clock (and divides nothing by 0).
+    assert one_at_a_time([fixed(30, 100.0), fixed(20, 0.0)], [30.0, 0.0]) == pytest.approx(0.3)
+
+
+def _record(policy: str, error: float, needs: float) -> Record:
+    return Record(
+        "c",
+        0,
+        0.5,
+        "a",
+        "a",
+        "train",
+        policy,
+        0,
+        50.0,
+        100.0,
+        30.0,
+        30.0,
+        30.0 + error,
+        error,
+        0.0,
+        0.0,
+        error < -3,
+        one_at_a_time=needs,
+    )
+
+
+def test_pairs_are_scored_by_their_phase_time_one_at_a_time_guaranteed_and_best_effort_apart() -> None:
+    score = MixScore("c", generate_mix(1, 0, seconds=20.0))
+    score.records = [
+        _record("fixed-share", 1.0, 0.5),
+        _record("fixed-share", 5.0, 0.5),
+        _record("burst-share", -1.0, 1.5),
+        _record("best-effort", -9.0, 1.5),
+    ]
+    rows = {(label, group): (n, within) for label, group, n, within, _p95 in by_one_at_a_time([score])}
+    assert rows == {
+        ("<= 0.9", "guaranteed"): (2, 0.5),
+        ("> 1.1", "guaranteed"): (1, 1.0),
+        ("> 1.1", "best-effort"): (1, 0.0),
+    }
 
 
 def test_settle_is_the_first_start_from_which_the_use_is_within_3_pp() -> None:
@@ -142,7 +194,9 @@ def result(out: str) -> dict[str, str]:
 
 def test_a_tiny_run_prints_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
     assert scenarios.main(["--seed", "1", "--mixes", "2", "--seconds", "20", "--controllers", "turns"]) == 0
-    got = result(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "| time one at a time |" in out
+    got = result(out)
     assert set(got) == {*FIGURES, "mixes", "seed"}
     for value in got.values():
         float(value)
