@@ -277,7 +277,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
 
 
-ONE_AT_A_TIME_CLASSES = ((0.0, 0.9, "<= 0.9"), (0.9, 1.1, "0.9-1.1"), (1.1, math.inf, "> 1.1"))
+ONE_AT_A_TIME_CLASSES = ((-math.inf, 0.9, "<= 0.9"), (0.9, 1.1, "0.9-1.1"), (1.1, math.inf, "> 1.1"))
 
 
 def by_one_at_a_time(scores: Sequence[MixScore]) -> list[tuple[str, str, int, float, float]]:

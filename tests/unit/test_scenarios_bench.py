@@ -118,7 +118,7 @@ def test_pairs_are_scored_by_their_phase_time_one_at_a_time_guaranteed_and_best_
     score = MixScore("c", generate_mix(1, 0, seconds=20.0))
     score.records = [
         _record("fixed-share", 1.0, 0.5),
-        _record("fixed-share", 5.0, 0.5),
+        _record("fixed-share", 5.0, 0.0),  # nobody of its phase used the GPU alone
         _record("burst-share", -1.0, 1.5),
         _record("best-effort", -9.0, 1.5),
     ]
