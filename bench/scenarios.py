@@ -174,7 +174,7 @@ def summary(scores: dict[str, list[MixScore]]) -> list[str]:
     return lines
 
 
-def demand_table(scores: dict[str, list[MixScore]]) -> list[str]:
+def one_at_a_time_table(scores: dict[str, list[MixScore]]) -> list[str]:
     """within3 by the phase's time one at a time (bench/scenario_score.py): up to 0.9 exclusive
     turns could give everyone what it should get; over 1.1 only running together can."""
     lines = ["| controller | time one at a time | containers | pairs | within3 | p95_abs_pp |"]
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.settle:g} s, controllers {', '.join(args.names)}: {time.monotonic() - started:.1f} s"
     )
     print("\n".join(summary(scores)))
-    print("\n".join(["", *demand_table(scores)]))
+    print("\n".join(["", *one_at_a_time_table(scores)]))
     if args.json is not None:
         rows = [row for per_mix in scores.values() for s in per_mix for row in s.rows()]
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

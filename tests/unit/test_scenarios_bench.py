@@ -92,24 +92,25 @@ def test_the_time_one_at_a_time_adds_what_each_needs_of_the_clock_alone() -> Non
 
 
 def _record(policy: str, error: float, needs: float) -> Record:
+    """A scored pair that should get 30 % and is ``error`` pp off, in a phase needing ``needs``."""
     return Record(
-        "c",
-        0,
-        0.5,
-        "a",
-        "a",
-        "train",
-        policy,
-        0,
-        50.0,
-        100.0,
-        30.0,
-        30.0,
-        30.0 + error,
-        error,
-        0.0,
-        0.0,
-        error < -3,
+        controller="c",
+        mix=0,
+        sample_period_s=0.5,
+        name="a",
+        member="a",
+        kind="train",
+        policy=policy,
+        phase=0,
+        alone=50.0,
+        capacity=100.0,
+        expected=30.0,
+        target=30.0,
+        got=30.0 + error,
+        error=error,
+        settle_s=0.0,
+        longest_freeze_s=0.0,
+        short=error < -3,
         one_at_a_time=needs,
     )
 
