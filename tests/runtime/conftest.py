@@ -5,7 +5,9 @@ system's). Skips, with the reason, where the binaries or root are missing; on CI
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,14 +54,14 @@ def containerd(request: pytest.FixtureRequest, _kubepods_cleanup: None) -> Itera
     runtime_name, cgroup = request.param
     if os.geteuid() != 0:
         pytest.skip("the real-runtime tier needs root (containerd, runc, crun, cgroups)")
+    workdir = Path(tempfile.mkdtemp(prefix="vc-ctrd-", dir="/tmp"))
     try:
-        runtime = PrivateContainerd(
-            Path(tempfile.mkdtemp(prefix="vc-ctrd-", dir="/tmp")), runtime=runtime_name, cgroup=cgroup
-        )
+        runtime = PrivateContainerd(workdir, runtime=runtime_name, cgroup=cgroup)
     except RuntimeUnavailable as err:
+        shutil.rmtree(workdir)
         pytest.skip(str(err))
-    runtime.start()
     try:
+        runtime.start()
         if (runtime_name, cgroup) == ("crun", "v2"):
             blocker = crun_v2_blocker(runtime)
             if blocker is not None:
@@ -67,3 +69,13 @@ def containerd(request: pytest.FixtureRequest, _kubepods_cleanup: None) -> Itera
         yield runtime
     finally:
         runtime.stop()
+        _remove_workdir(workdir)
+
+
+def _remove_workdir(workdir: Path) -> None:
+    """The cell's images, snapshots and logs (about 6 MB): the suite leaves nothing in /tmp.
+    Its snapshot mounts lived only in containerd's private mount namespace, gone with it."""
+    try:
+        shutil.rmtree(workdir)
+    except OSError as err:  # a teardown that cannot tidy must not hide the tests' result
+        warnings.warn(f"could not remove {workdir}: {err}", stacklevel=1)
