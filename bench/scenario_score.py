@@ -280,8 +280,33 @@ def percentile(values: Sequence[float], q: float) -> float:
 ONE_AT_A_TIME_CLASSES = ((-math.inf, 0.9, "<= 0.9"), (0.9, 1.1, "0.9-1.1"), (1.1, math.inf, "> 1.1"))
 
 
-def by_one_at_a_time(scores: Sequence[MixScore]) -> list[tuple[str, str, int, float, float]]:
-    """(class of the phase's time one at a time, policy group, pairs, within3, p95_abs_pp),
+PAIR_FIGURES = (
+    "within3",
+    "p95_abs_pp",
+    "max_over_pp",
+    "max_short_pp",
+    "longest_under_cap_freeze_s",
+    "settle_p95_s",
+)
+
+
+def pair_figures(records: Sequence[Record]) -> dict[str, float]:
+    """The figures of FIGURES that are scored per (container, phase) pair (PAIR_FIGURES):
+    ``max_over_pp`` and ``max_short_pp`` over the fixed and burst shares only, the longest
+    freeze over the pairs short of what they should get."""
+    held = [r for r in records if r.policy != "best-effort"]
+    return {
+        "within3": sum(abs(r.error) <= BAND_PP for r in records) / len(records) if records else 0.0,
+        "p95_abs_pp": percentile([abs(r.error) for r in records], 0.95),
+        "max_over_pp": max([0.0, *(r.got - r.target for r in held if r.target is not None)]),
+        "max_short_pp": max([0.0, *(r.expected - r.got for r in held)]),
+        "longest_under_cap_freeze_s": max((r.longest_freeze_s for r in records if r.short), default=0.0),
+        "settle_p95_s": percentile([r.settle_s for r in records], 0.95),
+    }
+
+
+def by_one_at_a_time(scores: Sequence[MixScore]) -> list[tuple[str, str, int, dict[str, float]]]:
+    """(class of the phase's time one at a time, policy group, pairs, their pair_figures),
     guaranteed (fixed and burst shares) and best-effort apart."""
     records = [r for s in scores for r in s.records]
     out = []
@@ -291,23 +316,15 @@ def by_one_at_a_time(scores: Sequence[MixScore]) -> list[tuple[str, str, int, fl
                 r for r in records if low < r.one_at_a_time <= high and (r.policy == "best-effort") == best
             ]
             if these:
-                within = sum(abs(r.error) <= BAND_PP for r in these) / len(these)
-                p95 = percentile([abs(r.error) for r in these], 0.95)
-                out.append((label, group, len(these), within, p95))
+                out.append((label, group, len(these), pair_figures(these)))
     return out
 
 
 def figures(scores: Sequence[MixScore]) -> dict[str, float]:
-    records = [r for s in scores for r in s.records]
-    held = [r for r in records if r.policy != "best-effort"]
     scored_s = sum(s.scored_s for s in scores)
+    pairs = pair_figures([r for s in scores for r in s.records])
     return {
-        "within3": sum(abs(r.error) <= BAND_PP for r in records) / len(records) if records else 0.0,
-        "p95_abs_pp": percentile([abs(r.error) for r in records], 0.95),
-        "max_over_pp": max([0.0, *(r.got - r.target for r in held if r.target is not None)]),
-        "max_short_pp": max([0.0, *(r.expected - r.got for r in held)]),
-        "longest_under_cap_freeze_s": max((r.longest_freeze_s for r in records if r.short), default=0.0),
+        **pairs,
         "idle_while_short_pct": 100 * sum(s.idle_short_s for s in scores) / scored_s if scored_s else 0.0,
         "view_p95_err_pp": percentile([e for s in scores for e in s.view_errors], 0.95),
-        "settle_p95_s": percentile([r.settle_s for r in records], 0.95),
     }

@@ -48,7 +48,7 @@ from pathlib import Path
 from enforcement_model import PERIOD_S, model_enforcer
 from scenario_mixes import ControllerFactory, Mix, References, generate_mix, references
 from scenario_mixes import simulate as simulate_mix
-from scenario_score import FIGURES, MixScore, by_one_at_a_time, figures, score_mix
+from scenario_score import FIGURES, PAIR_FIGURES, MixScore, by_one_at_a_time, figures, score_mix
 
 from agent.clock import VirtualClock
 from agent.control.enforcer import Enforcer
@@ -175,13 +175,19 @@ def summary(scores: dict[str, list[MixScore]]) -> list[str]:
 
 
 def one_at_a_time_table(scores: dict[str, list[MixScore]]) -> list[str]:
-    """within3 by the phase's time one at a time (bench/scenario_score.py): up to 0.9 exclusive
-    turns could give everyone what it should get; over 1.1 only running together can."""
-    lines = ["| controller | time one at a time | containers | pairs | within3 | p95_abs_pp |"]
-    lines.append("|" + "---|" * 6)
+    """The pair figures by the phase's time one at a time (bench/scenario_score.py): up to 0.9
+    exclusive turns could give everyone what it should get; over 1.1 only running together can.
+    ``max_over_pp`` and ``max_short_pp`` are for guaranteed shares only ("-" for best-effort)."""
+    lines = ["| controller | time one at a time | containers | pairs | " + " | ".join(PAIR_FIGURES) + " |"]
+    lines.append("|" + "---|" * (4 + len(PAIR_FIGURES)))
+    guaranteed_only = ("max_over_pp", "max_short_pp")
     for name, per_mix in scores.items():
-        for label, group, n, within, p95 in by_one_at_a_time(per_mix):
-            lines.append(f"| {name} | {label} | {group} | {n} | {within:.3f} | {p95:.2f} |")
+        for label, group, n, got in by_one_at_a_time(per_mix):
+            cells = [
+                "-" if group == "best-effort" and k in guaranteed_only else _fmt(k, got[k])
+                for k in PAIR_FIGURES
+            ]
+            lines.append(f"| {name} | {label} | {group} | {n} | " + " | ".join(cells) + " |")
     return lines
 
 

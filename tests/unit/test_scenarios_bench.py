@@ -123,12 +123,20 @@ def test_pairs_are_scored_by_their_phase_time_one_at_a_time_guaranteed_and_best_
         _record("burst-share", -1.0, 1.5),
         _record("best-effort", -9.0, 1.5),
     ]
-    rows = {(label, group): (n, within) for label, group, n, within, _p95 in by_one_at_a_time([score])}
+    classes = by_one_at_a_time([score])
+    rows = {(label, group): (n, got["within3"]) for label, group, n, got in classes}
     assert rows == {
         ("<= 0.9", "guaranteed"): (2, 0.5),
         ("> 1.1", "guaranteed"): (1, 1.0),
         ("> 1.1", "best-effort"): (1, 0.0),
     }
+    # every pair figure per class: the fixed 5 pp over is the first class's, the burst 1 pp
+    # short the last's; the best-effort's 9 pp is nobody's guarantee
+    got = {(label, group): figures for label, group, _n, figures in classes}
+    assert got["<= 0.9", "guaranteed"]["max_over_pp"] == 5.0
+    assert got["<= 0.9", "guaranteed"]["max_short_pp"] == 0.0
+    assert got["> 1.1", "guaranteed"]["max_short_pp"] == 1.0
+    assert got["> 1.1", "best-effort"]["max_short_pp"] == 0.0
 
 
 def test_settle_is_the_first_start_from_which_the_use_is_within_3_pp() -> None:
