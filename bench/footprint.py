@@ -14,9 +14,12 @@ Targets: RSS <= 150 MB, CPU <= 3% of one core (the agent alone).
 
 Last line: ``RESULT rss_mb=<agent RSS under load> cpu_pct=<agent CPU under load, % of one core>
 engine_cpu_pct=<the GPU engine's> workloads_cpu_pct=<all workloads'> throttled=<containers held at the
-window's end> freezes_per_s=<all containers'> mean_use_pct=<a container's real share of its GPU>``:
-the last three say the agent did its work (at ``--busy 1`` every container is held, and a line
-says so when one is not).
+window's end> freezes_per_s=<all containers'> mean_use_pct=<a container's real share of its GPU>
+wakeups_per_s=<the agent's threads' sleeps that ended> wakeup_us=<CPU one costs on this machine>``:
+throttled, freezes_per_s and mean_use_pct say the agent did its work (at ``--busy 1`` every
+container is held, and a line says so when one is not); the last two say how much of the
+figure is the machine's price of waking a thread (measured before the agent starts), which on
+a VM changes from hour to hour.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -50,6 +54,46 @@ class Footprint:
     rss_mb: float  # at the end of the window
     peak_rss_mb: float
     cpu_pct: float  # of one core, averaged over the window
+    wakeups_per_s: float = 0.0  # the agent's: its threads' voluntary context switches
+
+
+WAKEUP_THREADS = 4
+WAKEUP_PERIOD_S = 0.01
+
+
+def wakeup_cost_us(seconds: float = 2.0) -> float:
+    """CPU microseconds this machine spends on one thread wakeup (a timed Event.wait that
+    times out, as the agent's loops wait), measured in this process over ``seconds``: on a VM
+    a wakeup is a timer exit or an IPI, and it is most of what an idle-looking agent costs."""
+    stop = threading.Event()
+
+    def sleeper() -> None:
+        while not stop.wait(WAKEUP_PERIOD_S):
+            pass
+
+    sleepers = [threading.Thread(target=sleeper) for _ in range(WAKEUP_THREADS)]
+    cpu, started = time.process_time(), time.monotonic()
+    for thread in sleepers:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in sleepers:
+        thread.join()
+    elapsed = time.monotonic() - started
+    return 1e6 * (time.process_time() - cpu) / (WAKEUP_THREADS * elapsed / WAKEUP_PERIOD_S)
+
+
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of all of ``pid``'s threads so far (each one a sleep that ended)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended while we read it
+    return total
 
 
 def rss_mb(pid: int) -> float:
@@ -120,7 +164,7 @@ def watch(pids: dict[str, int], seconds: float, group: list[int] | None = None) 
     """Sample each process once a second over ``seconds``; ``group`` (the workloads) is
     reported as one, CPU only."""
     procfs = ProcFS()
-    threads = thread_ticks(pids["agent"])
+    threads, woke = thread_ticks(pids["agent"]), wakeups(pids["agent"])
     ticks = {name: procfs.stat(pid).cpu_ticks for name, pid in pids.items()}
     group_start = group_ticks(procfs, group or [])
     peaks = {name: rss_mb(pid) for name, pid in pids.items()}
@@ -131,9 +175,13 @@ def watch(pids: dict[str, int], seconds: float, group: list[int] | None = None) 
             peaks[name] = max(peaks[name], rss_mb(pid))
     elapsed = time.monotonic() - started
     thread_report(threads, thread_ticks(pids["agent"]), elapsed)
+    woke_per_s = (wakeups(pids["agent"]) - woke) / elapsed
     found = {
         name: Footprint(
-            rss_mb(pid), peaks[name], 100 * (procfs.stat(pid).cpu_ticks - ticks[name]) / HZ / elapsed
+            rss_mb(pid),
+            peaks[name],
+            100 * (procfs.stat(pid).cpu_ticks - ticks[name]) / HZ / elapsed,
+            woke_per_s if name == "agent" else 0.0,
         )
         for name, pid in pids.items()
     }
@@ -192,12 +240,18 @@ def watch_control(
     )
 
 
-def report(phase: str, result: dict[str, Footprint]) -> None:
+def report(phase: str, result: dict[str, Footprint], wakeup_us: float) -> None:
     for name, f in result.items():
         print(
             f"  {phase:<10} {name:<14} RSS {f.rss_mb:7.1f} MB (peak {f.peak_rss_mb:7.1f})"
             f"  CPU {f.cpu_pct:5.2f}%"
         )
+    agent = result["agent"]
+    share = agent.wakeups_per_s * wakeup_us / 1e4  # % of a core
+    print(
+        f"  {phase:<10} agent wakeups {agent.wakeups_per_s:.0f}/s: about {share:.2f}% of a core"
+        " at this machine's cost of one"
+    )
 
 
 def main() -> None:
@@ -211,6 +265,8 @@ def main() -> None:
     )
     parser.add_argument("--busy", type=float, default=1.0, help="busy share of each workload (default 1)")
     args = parser.parse_args()
+    wakeup_us = wakeup_cost_us()
+    print(f"this machine: one thread wakeup costs {wakeup_us:.1f} us of CPU")
     workdir = Path(tempfile.mkdtemp(prefix="vc-foot-", dir="/tmp"))
     try:
         port = free_port()
@@ -226,13 +282,13 @@ def main() -> None:
             )
             time.sleep(args.settle)  # the tracer compiles and the caches fill first
             idle = watch(pids, args.seconds)
-            report("idle", idle)
+            report("idle", idle, wakeup_us)
             for i in range(args.containers):
                 node.run_pod(f"pod-{i}", CORES, memory_mib=1024, busy=args.busy)
             print(f"  {args.containers} containers running (busy {args.busy:.2f})")
             time.sleep(args.settle)
             loaded, control = watch_control(node, port, args.seconds, pids)
-            report("loaded", loaded)
+            report("loaded", loaded, wakeup_us)
             print(
                 f"  held: {control.throttled} of {args.containers} containers throttled, "
                 f"{control.freezes_per_s:.1f} freezes/s; each ran {control.mean_use_pct:.1f} % of its GPU "
@@ -251,7 +307,8 @@ def main() -> None:
         f"RESULT rss_mb={mine.rss_mb:.1f} cpu_pct={mine.cpu_pct:.2f} "
         f"engine_cpu_pct={loaded['GPU engine'].cpu_pct:.2f} workloads_cpu_pct={workloads.cpu_pct:.2f} "
         f"throttled={control.throttled} freezes_per_s={control.freezes_per_s:.1f} "
-        f"mean_use_pct={control.mean_use_pct:.1f}"
+        f"mean_use_pct={control.mean_use_pct:.1f} "
+        f"wakeups_per_s={mine.wakeups_per_s:.0f} wakeup_us={wakeup_us:.1f}"
     )
 
 
