@@ -24,7 +24,9 @@ own 10 s reading against the truth) and ``settle_p95_s``.
         [--table] [--json PATH]
 
 Output: with ``--table`` a markdown table per mix; a summary table per controller and sample
-period; a table of ``within3`` by each phase's time one at a time (bench/scenario_score.py:
+period; a table of the figures scored per pair (``within3``, ``p95_abs_pp``, ``max_over_pp``,
+``max_short_pp``, ``longest_under_cap_freeze_s``, ``settle_p95_s``) by each phase's time one
+at a time (bench/scenario_score.py:
 up to 0.9 exclusive turns could give everyone what it should get, over 1.1 only running
 together can), guaranteed and best-effort containers apart; last line ``RESULT within3=...
 p95_abs_pp=... ... mixes=N seed=S`` (with several controllers each figure is prefixed with
