@@ -266,7 +266,7 @@ class KubeSettings:
     kubeconfig: Path | None = None  # None: the in-cluster service account (the DaemonSet)
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # which pod holds which device IDs
     sync_timeout_s: float = 30.0  # start-up waits this long for the first pod list
-    wait_for_pod_s: float = 3.0  # an Allocate waits this long for the watch to deliver its pod
+    wait_for_pod_s: float = 3.0  # an Allocate (a DRA claim's Event) waits this long for the watch's pod
     recheck_s: float = 5.0  # what kubelet's pod-resources did not answer about is asked again this often
     capacity_check_s: float = 10.0  # vcuda-memory capacity re-checked at least this often
     heartbeat_s: float = 30.0  # the inventory annotation's heartbeat period

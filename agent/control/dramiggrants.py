@@ -5,7 +5,8 @@ device-plugin MIG device gives), the Events about a claim, and the periodic clea
 A claim's users are the containers whose ``resources.claims`` name a pod claim that resolves
 to it (agent/control/draledger.py); each gets its claim's instances: the parent GPU's
 ``/dev/nvidia<minor>`` and exactly the instances' GPU-instance and compute-instance capability
-minors. Events about a claim go to the pods that use it, or to the node while none is known.
+minors. Events about a claim go to the pods that use it (waiting a moment for the pod watch to
+bring one), or to the node when none comes.
 """
 
 from __future__ import annotations
@@ -57,13 +58,17 @@ class ClaimMig:
         events: EventSink | None = None,
         *,
         period_s: float = DRA_MIG_RECONCILE_S,
+        wait_for_pod_s: float = 3.0,
         clock: Clock | None = None,
     ) -> None:
+        """``wait_for_pod_s``: how long an Event waits for the watch to deliver a pod that
+        uses its claim (kubelet prepares a claim for a pod the watch may not have yet)."""
         self.mig = mig
         self._claims = claims
         self._pods = pods
         self._events = events
         self._period_s = period_s
+        self._wait_for_pod_s = wait_for_pod_s
         self._clock = clock or SystemClock()
 
     def grants(self) -> Mapping[tuple[str, str], MigGrant]:
@@ -72,11 +77,19 @@ class ClaimMig:
         return mig_grants(self._claims(), self._pods.pods())
 
     def report(self, ref: ClaimRef, reason: str, message: str) -> None:
-        """A Warning Event about the claim on the pods that use it (the node's when none)."""
+        """A Warning Event about the claim on the pods that use it (the node's when none comes)."""
         log.warning("%s: %s", reason, message)
         if self._events is None:
             return
-        users = claim_pods(self._pods.pods(), ref) if self._pods is not None else []
+        users: list[PodInfo] = []
+        if self._pods is not None:
+            pods = self._pods
+
+            def found() -> bool:
+                users[:] = claim_pods(pods.pods(), ref)
+                return bool(users)
+
+            pods.wait_for(found, self._wait_for_pod_s)
         for pod in users:
             self._events.pod(pod, reason, message)
         if not users:

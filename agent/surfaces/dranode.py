@@ -75,7 +75,9 @@ class DraIntegration:
         prepare_mig: MigPrepare | None = None
         if backend is not None:
             dynamic = DynamicMig(backend, gpus, mig_dynamic, mig_watch)
-            self.mig = ClaimMig(dynamic, self._prepared, kube.pods, kube.events)
+            self.mig = ClaimMig(
+                dynamic, self._prepared, kube.pods, kube.events, wait_for_pod_s=kube.settings.wait_for_pod_s
+            )
             prepare_mig = MigPrepare(dynamic, responses, responses.dev_root, self.mig.report)
         self.publisher = SlicePublisher(
             ResourceSliceClient(kube.api, node_name, DRIVER),

@@ -13,7 +13,7 @@ import pytest
 
 from agent.control.draclaims import PreparedClaims
 from agent.control.dramig import DynamicMig, DynamicMigError
-from agent.control.dramiggrants import claim_pods, mig_grants
+from agent.control.dramiggrants import ClaimMig, claim_pods, mig_grants
 from agent.control.guardtargets import GuardTargets
 from agent.control.migholdings import MigGrant
 from agent.domain.dra import (
@@ -113,6 +113,49 @@ def test_the_users_of_a_claim_get_exactly_its_instances() -> None:
     }
     assert [p.name for p in claim_pods([user, other], ref)] == ["user"]
     assert mig_grants([PreparedClaim(ref, (), ())], [user]) == {}  # no instance, no grant
+
+
+class _LateWatch:
+    """Pods as the agent's cache has them, the claim's user delivered by the watch only while
+    someone waits for it (kubelet prepares a claim for a pod the watch has not brought yet)."""
+
+    def __init__(self, late: list[Any]) -> None:
+        self.known: list[Any] = []
+        self.late = late
+        self.waits: list[float] = []
+
+    def pods(self) -> list[Any]:
+        return list(self.known)
+
+    def wait_for(self, predicate: Any, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        if predicate():
+            return True
+        self.known += self.late  # the watch event: the cache changed, the predicate again
+        return bool(predicate())
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, str]] = []
+
+    def pod(self, pod: Any, reason: str, message: str, warning: bool = True) -> None:
+        self.posted.append((f"pod {pod.name}", reason))
+
+    def node(self, reason: str, message: str, warning: bool = True) -> None:
+        self.posted.append(("node", reason))
+
+
+def test_an_event_about_a_claim_waits_for_the_watch_to_bring_its_pod() -> None:
+    ref = ClaimRef("default", "late", "u-2")
+    watch, events = _LateWatch([_pod("late", "late")]), _Events()
+    mig = ClaimMig(None, list, watch, events, wait_for_pod_s=3.0)  # type: ignore[arg-type]
+    mig.report(ref, "MIGPrepareFailed", "placement taken")
+    assert events.posted == [("pod late", "MIGPrepareFailed")] and watch.waits == [3.0]
+    # A claim no pod of this node uses (its pod deleted): the node's, after the same wait.
+    gone, events = _LateWatch([]), _Events()
+    ClaimMig(None, list, gone, events, wait_for_pod_s=3.0).report(ref, "MIGUnprepareFailed", "busy")  # type: ignore[arg-type]
+    assert events.posted == [("node", "MIGUnprepareFailed")] and gone.waits == [3.0]
 
 
 def test_the_guard_merges_dra_instances_with_device_plugin_mig_devices() -> None:
