@@ -134,30 +134,44 @@ def group_ticks(procfs: ProcFS, pids: list[int]) -> int:
     return total
 
 
-def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
-    """Each thread of ``pid``: (its kernel name, CPU ticks so far); supervised loops are named
-    after their task (agent/platform/threadname.py)."""
-    found: dict[int, tuple[str, int]] = {}
+def thread_ticks(pid: int) -> dict[int, tuple[str, int, int]]:
+    """Each thread of ``pid``: (its kernel name, CPU ticks so far, wakeups so far); supervised
+    loops are named after their task (agent/platform/threadname.py)."""
+    found: dict[int, tuple[str, int, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             comm = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            found[int(task.name)] = (comm, int(fields[11]) + int(fields[12]))  # utime + stime
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            woke = next(
+                int(line.split()[1])
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("voluntary_ctxt_switches:")
+            )
+            found[int(task.name)] = (comm, int(fields[11]) + int(fields[12]), woke)  # utime + stime
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError, StopIteration):
             continue  # the thread ended while we read it
     return found
 
 
 def thread_report(
-    before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], elapsed: float
+    before: dict[int, tuple[str, int, int]], after: dict[int, tuple[str, int, int]], elapsed: float
 ) -> None:
-    """The agent's CPU per thread name over the window, largest first."""
-    by_name: dict[str, float] = {}
-    for tid, (comm, ticks) in after.items():
-        start = before.get(tid, (comm, 0))[1] if tid in before else 0
-        by_name[comm] = by_name.get(comm, 0.0) + 100 * (ticks - start) / HZ / elapsed
-    shown = sorted(by_name.items(), key=lambda item: -item[1])
-    print("    agent threads: " + ", ".join(f"{name} {pct:.2f}%" for name, pct in shown if pct >= 0.05))
+    """The agent's CPU and wakeups per thread name over the window, largest first."""
+    cpu: dict[str, float] = {}
+    woke: dict[str, float] = {}
+    for tid, (comm, ticks, switches) in after.items():
+        _, ticks_before, switches_before = before.get(tid, (comm, 0, 0))
+        cpu[comm] = cpu.get(comm, 0.0) + 100 * (ticks - ticks_before) / HZ / elapsed
+        woke[comm] = woke.get(comm, 0.0) + (switches - switches_before) / elapsed
+    shown = sorted(cpu, key=lambda name: (-cpu[name], -woke[name]))
+    print(
+        "    agent threads (CPU %, wakeups/s): "
+        + ", ".join(
+            f"{name} {cpu[name]:.2f}% {woke[name]:.0f}/s"
+            for name in shown
+            if cpu[name] >= 0.05 or woke[name] >= 1
+        )
+    )
 
 
 def watch(pids: dict[str, int], seconds: float, group: list[int] | None = None) -> dict[str, Footprint]:

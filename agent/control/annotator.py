@@ -12,6 +12,7 @@ dies are re-derived from the ledger at the next start (``LedgerRecovery.reannota
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,8 +23,11 @@ from typing import Protocol
 from agent.clock import Clock, SystemClock
 from agent.errors import KubeError
 from agent.platform.kube.pods import PodInfo
+from agent.stopsignal import on_stop
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often an idle run() looks at a plain stop event (a StopSignal wakes it)
 
 
 class AnnotationPatcher(Protocol):
@@ -54,7 +58,7 @@ class Annotator:
     ) -> None:
         self._writer = writer
         self._clock = clock or SystemClock()
-        self._queue: queue.Queue[_Write] = queue.Queue(maxsize=10_000)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=10_000)
         self._max_attempts = max_attempts
         self._max_backoff_s = max_backoff_s
         self._idle = threading.Condition()
@@ -83,12 +87,23 @@ class Annotator:
             return self._idle.wait_for(lambda: self._busy == 0, timeout=timeout_s)
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                write = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            self._attempt(write, stop)
+        cancel = on_stop(stop, self._wake)
+        poll = None if cancel is not None else _POLL_S  # woken by the stop flag, or looking at it
+        try:
+            while not stop.is_set():
+                try:
+                    write = self._queue.get(timeout=poll)
+                except queue.Empty:
+                    continue
+                if write is not None:  # None: the stop flag's wake-up
+                    self._attempt(write, stop)
+        finally:
+            if cancel is not None:
+                cancel()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(queue.Full):  # full: the loop has writes to take, it is not waiting
+            self._queue.put_nowait(None)
 
     def _attempt(self, write: _Write, stop: threading.Event) -> None:
         backoff = 0.2

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from agent.clock import Clock, SystemClock
 from agent.platform.threadname import set_native_name
+from agent.stopsignal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ class Supervisor:
     clock: Clock = field(default_factory=SystemClock)
     min_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
-    stop_event: threading.Event = field(default_factory=threading.Event)
+    # Also wakes the loops that wait on their own conditions (agent/stopsignal.py).
+    stop_event: threading.Event = field(default_factory=StopSignal)
     _threads: list[threading.Thread] = field(default_factory=list)
     tasks: dict[str, TaskState] = field(default_factory=dict)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import PlatformError
+from agent.platform.httpserving import QuietServing
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,7 @@ class StatusServer:
             raise
         self._httpd = httpd
         self._inode = (st.st_dev, st.st_ino)
-        self._thread = threading.Thread(
-            target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="status-endpoint", daemon=True
-        )
+        self._thread = threading.Thread(target=httpd.serve_forever, name="status-endpoint", daemon=True)
         self._thread.start()
         log.info("status on unix socket %s (vcuda-agent status)", self.socket_path)
 
@@ -224,7 +223,7 @@ class StatusServer:
         return Handler
 
 
-class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _UnixHTTPServer(QuietServing, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
     request_queue_size = 64  # unix connect() fails with EAGAIN, not waits, when the backlog is full

@@ -53,9 +53,12 @@ def wait_until(check: Callable[[], _T | None], timeout_s: float = 10.0, what: st
 
 
 @contextmanager
-def running(task: Callable[[threading.Event], None], name: str = "task") -> Iterator[threading.Event]:
-    """Run ``task(stop)`` in a thread; on exit set stop and require the thread to end within 3 s."""
-    stop = threading.Event()
+def running(
+    task: Callable[[threading.Event], None], name: str = "task", stop: threading.Event | None = None
+) -> Iterator[threading.Event]:
+    """Run ``task(stop)`` in a thread; on exit set stop and require the thread to end within 3 s.
+    ``stop``: the flag to use (the agent's StopSignal), else a plain Event."""
+    stop = threading.Event() if stop is None else stop
     errors: list[BaseException] = []
 
     def body() -> None:

@@ -24,13 +24,14 @@ from agent.clock import Clock, SystemClock
 from agent.errors import KubeError
 from agent.platform.kube.client import json_call
 from agent.platform.kube.pods import PodInfo
+from agent.stopsignal import notifier, on_stop
 
 log = logging.getLogger(__name__)
 
 _MERGE_PATCH = "application/merge-patch+json"
 _RECENT = 4096  # posted events remembered for aggregation (client-go's cache size)
 _MAX_MESSAGE = 1024
-_POLL_S = 0.2  # how often an idle run() looks at its stop event
+_POLL_S = 0.2  # how often an idle run() looks at a plain stop event (a StopSignal wakes it)
 
 
 @dataclass(frozen=True)
@@ -111,22 +112,33 @@ class EventRecorder:
 
     def run(self, stop: threading.Event) -> None:
         """Post queued events until ``stop`` is set."""
-        while not stop.is_set():
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(_POLL_S)
-                    continue
-                request = self._queue.popleft()
-                self._busy += 1
-            try:
-                self._post(request)
-            except KubeError as err:
-                self.stats.failed += 1
-                log.warning("could not record event %s: %s", request, err)
-            finally:
+        cancel = on_stop(stop, notifier(self._cond))
+        poll = None if cancel is not None else _POLL_S  # woken by the stop flag, or looking at it
+        try:
+            while True:
                 with self._cond:
-                    self._busy -= 1
-                    self._cond.notify_all()
+                    if stop.is_set():
+                        return
+                    if not self._queue:
+                        self._cond.wait(poll)
+                        continue
+                    request = self._queue.popleft()
+                    self._busy += 1
+                self._post_one(request)
+        finally:
+            if cancel is not None:
+                cancel()
+
+    def _post_one(self, request: _Request) -> None:
+        try:
+            self._post(request)
+        except KubeError as err:
+            self.stats.failed += 1
+            log.warning("could not record event %s: %s", request, err)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (real time) until every queued event has been posted or dropped."""

@@ -4,6 +4,7 @@ watch of it (so a publisher can react at once when kubelet zeroes what it advert
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -15,10 +16,11 @@ from agent.clock import Clock
 from agent.errors import KubeError
 from agent.platform.kube.client import json_call
 from agent.platform.kube.reflector import Reflector, ReflectorStats
+from agent.stopsignal import notifier, on_stop
 
 _JSON_PATCH = "application/json-patch+json"
 _MERGE_PATCH = "application/merge-patch+json"
-_ABORT_POLL_S = 0.1
+_ABORT_POLL_S = 0.1  # a plain abort Event is looked at this often (a StopSignal wakes the wait)
 
 
 def pointer_escape(key: str) -> str:
@@ -168,13 +170,19 @@ class NodeWatch:
         """Block (real time) until the counter differs from ``seen_version``, ``timeout_s``
         passes or ``abort`` is set; return the counter."""
         deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while self._version == seen_version and not (abort is not None and abort.is_set()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._changed.wait(min(remaining, _ABORT_POLL_S) if abort is not None else remaining)
-            return self._version
+        cancel = None if abort is None else on_stop(abort, notifier(self._changed))
+        slice_s = _ABORT_POLL_S if abort is not None and cancel is None else math.inf  # a plain Event: polled
+        try:
+            with self._changed:
+                while self._version == seen_version and not (abort is not None and abort.is_set()):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._changed.wait(min(remaining, slice_s))
+                return self._version
+        finally:
+            if cancel is not None:
+                cancel()
 
     def _on_event(self, kind: str, obj: dict[str, Any]) -> None:
         with self._changed:

@@ -32,6 +32,7 @@ import urllib3
 from agent.clock import Clock, SystemClock
 from agent.errors import KubeError
 from agent.platform.kube.client import call, json_call
+from agent.stopsignal import on_stop
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +105,17 @@ class Reflector:
     def run(self, stop: threading.Event) -> None:
         """List, then watch until ``stop`` is set. Starts with a list, also after a restart."""
         done = threading.Event()
-        stopper = threading.Thread(
-            target=self._stop_reads, args=(stop, done), name=f"{self.what}-stop", daemon=True
-        )
-        stopper.start()
+        cancel = on_stop(stop, self._interrupt)
+        if cancel is None:  # a plain Event: a thread looks at it
+            threading.Thread(
+                target=self._stop_reads, args=(stop, done), name=f"{self.what}-stop", daemon=True
+            ).start()
         try:
             self._loop(stop)
         finally:
             done.set()
+            if cancel is not None:
+                cancel()
 
     def _loop(self, stop: threading.Event) -> None:
         backoff, relist = self._min_backoff_s, True
@@ -279,10 +283,13 @@ class Reflector:
                 self._stats.last_sync = self._clock.monotonic()
 
     def _stop_reads(self, stop: threading.Event, done: threading.Event) -> None:
-        # A watch read blocks for minutes; when stop is set, shut the socket to end it now.
         while not stop.wait(0.25):
             if done.is_set():
                 return
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """A watch read blocks for minutes: once stopping, shut its socket to end it now."""
         with self._lock:
             response = self._response
         if response is not None:

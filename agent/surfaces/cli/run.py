@@ -10,7 +10,6 @@ import os
 import shlex
 import signal
 import socket
-import threading
 from pathlib import Path
 
 from agent.domain.nodeconfig import ClusterConfig, load_config
@@ -18,6 +17,7 @@ from agent.errors import ConfigError, VcudaError
 from agent.platform.bpf.ioctl_tracer import IoctlTracer
 from agent.platform.cgroups.devices_v2 import dump_source
 from agent.platform.heap import freeze_startup_heap
+from agent.platform.signalwait import SignalWaiter
 from agent.settings import (
     ActuatorMode,
     BpfSettings,
@@ -216,10 +216,14 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     if args.dump_bpf:
         return dump_bpf(settings)
-    stop, reload = threading.Event(), threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda received, _frame: _request_stop(stop, received))
-    signal.signal(signal.SIGHUP, lambda _s, _f: reload.set())
+    signals = SignalWaiter((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+    try:
+        return _serve(settings, config, signals)
+    finally:
+        signals.close()
+
+
+def _serve(settings: Settings, config: ClusterConfig, signals: SignalWaiter) -> int:
     try:
         agent = NodeAgent(settings, config)
     except VcudaError as err:
@@ -230,18 +234,17 @@ def main(args: argparse.Namespace) -> int:
         frozen = freeze_startup_heap()
         log.info("running; send SIGTERM or SIGINT to stop, SIGHUP to re-read the config")
         log.debug("start-up heap frozen: %d objects left out of full garbage collections", frozen)
-        while not stop.wait(0.2):
-            if reload.is_set():
-                reload.clear()
-                agent.config.reload()
+        stopping = False
+        while not stopping:
+            for signum in signals.wait():  # asleep until one comes: no wakeups in between
+                log.info("received %s", signum.name)
+                if signum is signal.SIGHUP:
+                    agent.config.reload()
+                else:
+                    stopping = True
     except (VcudaError, OSError) as err:
         log.error("cannot start: %s", err)
         return EXIT_FAILED
     finally:
         agent.stop()
     return 0
-
-
-def _request_stop(stop: threading.Event, signum: int) -> None:
-    log.info("received %s", signal.Signals(signum).name)
-    stop.set()

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from agent.errors import PlatformError
+from agent.platform.httpserving import QuietServing
 from agent.surfaces.extender.service import ExtenderService
 from agent.surfaces.extender.wire import WireError
 
@@ -51,7 +52,7 @@ class ServerLimits:
     max_connections: int = 64
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(QuietServing, ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # kube-scheduler binds in parallel; the default backlog of 5 resets them
 
@@ -159,9 +160,7 @@ class ExtenderServer:
         return "{}://{}:{}".format("https" if self._tls else "http", *self.address)
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="extender-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="extender-http", daemon=True)
         self._thread.start()
         log.info("scheduler extender on %s", self.url)
 

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.control.metricsauth import Decision
 from agent.errors import ConfigError, PlatformError
+from agent.platform.httpserving import QuietServing
 from agent.surfaces.metrics.exposition import CONTENT_TYPE, render
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
+class _Server(QuietServing, ThreadingHTTPServer):
+    """Sleeps until a scrape comes (agent/platform/httpserving.py)."""
+
+
 class MetricsServer:
     def __init__(
         self,
@@ -59,7 +64,7 @@ class MetricsServer:
         self._tls = tls
         handler = self._handler_class()
         try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
+            self._httpd = _Server((host, port), handler)
         except OSError as err:
             raise PlatformError(
                 f"cannot serve metrics on {host}:{port}: {err.strerror or err} (see --metrics-address)"
@@ -77,9 +82,7 @@ class MetricsServer:
         return str(host), int(port)
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="metrics-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
         scheme = "https" if self._tls is not None else "http"
         auth = "" if self._authorize is None else " (bearer token, checked with the Kubernetes API)"
