@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 INVALID_ANNOTATION = "InvalidGPUAnnotation"
 BOUNDED_ANNOTATION = "GPUAnnotationBounded"
 
-# (ledger version, labels object, bounds, {pod uid: PodInfo seen}, specs) of the last build
-_Built = tuple[int, Mapping[str, str], SpecBounds, dict[str, PodInfo | None], tuple[EnforcementSpec, ...]]
+# (ledger version, labels object, bounds, pod source version, specs) of the last build
+_Built = tuple[int, Mapping[str, str], SpecBounds, int, tuple[EnforcementSpec, ...]]
 
 
 class SpecBook:
@@ -58,13 +58,15 @@ class SpecBook:
     def specs(self) -> list[EnforcementSpec]:
         """Every ledger container's spec. The enforcer, the memory guard and every scrape ask
         several times a second, so the list is rebuilt only when the ledger, one of its pods
-        (PodInfo objects are replaced, never changed) or the node labels changed."""
+        or the node labels changed: checking 128 pods one by one each time cost more than the
+        callers' own work on a full node."""
         labels = self._node_labels()
         bounds = self._bounds()
         version = self._ledger.version
+        pods_version = self._pods.version()  # before the read: a change meanwhile rebuilds next time
         with self._lock:
             cached = self._cache
-        if self._still_valid(cached, version, labels, bounds):
+        if self._still_valid(cached, version, labels, bounds, pods_version):
             assert cached is not None
             return list(cached[4])
         default = self.default_policy()
@@ -74,7 +76,7 @@ class SpecBook:
         for spec in out:
             self._report(spec)
         with self._lock:
-            self._cache = (version, labels, bounds, pods, tuple(out))
+            self._cache = (version, labels, bounds, pods_version, tuple(out))
         return out
 
     def spec_for(self, item: Assignment) -> EnforcementSpec:
@@ -82,11 +84,20 @@ class SpecBook:
         return build_spec(item, self._pods.get(item.pod_uid), self.default_policy(), self._bounds())
 
     def _still_valid(
-        self, cached: _Built | None, version: int, labels: Mapping[str, str], bounds: SpecBounds
+        self,
+        cached: _Built | None,
+        version: int,
+        labels: Mapping[str, str],
+        bounds: SpecBounds,
+        pods_version: int,
     ) -> bool:
-        if cached is None or cached[0] != version or cached[1] is not labels or cached[2] != bounds:
-            return False
-        return all(self._pods.get(uid) is pod for uid, pod in cached[3].items())
+        return (
+            cached is not None
+            and cached[0] == version
+            and cached[1] is labels
+            and cached[2] == bounds
+            and cached[3] == pods_version
+        )
 
     def check_pod(self, pod: PodInfo) -> list[EnforcementSpec]:
         """Specs of one pod's assigned containers, reporting new problems (after Allocate, and

@@ -62,6 +62,9 @@ class PodCache:
     def snapshot(self) -> tuple[int, list[PodInfo]]:
         return 1, list(self._pods)
 
+    def version(self) -> int:
+        return 1  # a fixed list
+
     def get(self, uid: str) -> PodInfo | None:
         return next((p for p in self._pods if p.uid == uid), None)
 

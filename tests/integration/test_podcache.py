@@ -94,9 +94,12 @@ def test_add_modify_delete_and_binding_reach_the_cache(
     created = apiserver.create_pod(pod_manifest("p"))
     pod = wait_until(lambda: synced.find("default", "p"), what="pod added")
     assert pod.uid == created["metadata"]["uid"] and pod.phase == "Pending"
+    added = synced.version()
+    assert added == synced.snapshot()[0]
 
     apiserver.set_pod_phase("default", "p", "Running", {"main": "abc123"})
     running_pod = wait_until(lambda: phase_of(synced, pod.uid, "Running"), what="phase Running")
+    assert synced.version() > added  # what a view kept of the pods (SpecBook) is rebuilt on
     assert running_pod.containers[0].container_id == "abc123"
     assert running_pod.containers[0].runtime == "containerd"
 

@@ -27,7 +27,11 @@ class Pods:
         return list(self.by_uid.values())
 
     def snapshot(self) -> tuple[int, list[PodInfo]]:
-        return 0, self.pods()
+        return self.version(), self.pods()
+
+    def version(self) -> int:
+        """Changes whenever the test puts another pod in (PodInfo objects are replaced)."""
+        return hash(tuple((uid, id(pod)) for uid, pod in self.by_uid.items()))
 
     def find(self, namespace: str, name: str) -> PodInfo | None:
         return None

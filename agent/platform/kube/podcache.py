@@ -105,6 +105,12 @@ class PodCache:
         with self._lock:
             return self._version, list(self._pods.values())
 
+    def version(self) -> int:
+        """The snapshot's version alone (a reader that keeps a view of the pods asks it
+        several times a second: the list is not copied)."""
+        with self._lock:
+            return self._version
+
     def get(self, uid: str) -> PodInfo | None:
         with self._lock:
             return self._pods.get(uid)
