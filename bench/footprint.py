@@ -10,7 +10,7 @@ container is over its cap and throttled every cycle, the agent's worst case), th
 together) are sampled apart from /proc/<pid>/stat (CPU) and /proc/<pid>/status (VmRSS).
 Targets: RSS <= 150 MB, CPU <= 3% of one core (the agent alone).
 
-    .venv/bin/python bench/footprint.py [--seconds 60] [--containers 128] [--busy 1] [--settle 15]
+    .venv/bin/python bench/footprint.py [--seconds 60] [--containers 128] [--busy 1] [--settle 15] [--parts]
 
 Last line: ``RESULT rss_mb=<agent RSS under load> cpu_pct=<agent CPU under load, % of one core>
 engine_cpu_pct=<the GPU engine's> workloads_cpu_pct=<all workloads'> throttled=<containers held at the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -42,6 +43,26 @@ from agent.errors import ProcessGoneError
 from agent.platform.procfs import ProcFS
 
 HZ = os.sysconf("SC_CLK_TCK")
+PARTS_DIR = Path(__file__).resolve().parent / "parts"  # its sitecustomize times these (--parts)
+PARTS = (
+    "agent.control.enforcer:Enforcer.period",
+    "agent.control.enforcer:Enforcer._act",
+    "agent.control.turnloop:TurnLoop.due",
+    "agent.control.turnloop:TurnLoop._decide",
+    "agent.control.turnloop:next_turn",
+    "agent.control.enforcer:Enforcer._freeze",
+    "agent.control.enforcer:Enforcer._thaw",
+    "agent.control.turnloop:TurnLoop.read",
+    "agent.control.turnmeter:TurnMeter._attribute",
+    "agent.control.turnmeter:TurnMeter._apply_credits",
+    "agent.control.enforcer:Enforcer._control",
+    "agent.surfaces.memorynode:MemoryIntegration.check_once",
+    "agent.surfaces.memorynode:MemoryIntegration._traced",
+    "agent.platform.gpu.guarded:GuardedBackend.process_memory",
+    "agent.control.specbook:SpecBook.specs",
+    "agent.control.deviceguard:DeviceGuard._apply",
+    "agent.platform.gpu.sim.backend:SimulatedBackend._refresh",
+)
 SPEC = "8xH100-80GB"
 PER_GPU = 16
 CORES = 6  # 16 x 6 = 96 vcuda-core per GPU
@@ -268,6 +289,21 @@ def report(phase: str, result: dict[str, Footprint], wakeup_us: float) -> None:
     )
 
 
+def print_parts(parts_file: Path) -> None:
+    """The agent's thread CPU per timed function over the loaded window (bench/parts/)."""
+    deadline = time.monotonic() + 10
+    while not parts_file.exists():
+        if time.monotonic() > deadline:
+            print("    parts: the agent wrote none (was bench/parts/ on its PYTHONPATH?)")
+            return
+        time.sleep(0.05)
+    print("    agent parts (thread CPU ms/s, calls/s, us/call; nested parts count in their callers too):")
+    for line in parts_file.read_text().splitlines():
+        path, ms, per_s = line.split()
+        us = 1000 * float(ms) / max(float(per_s), 1e-9)
+        print(f"      {path:<36} {float(ms):7.2f} {float(per_s):8.1f} {us:9.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -278,10 +314,21 @@ def main() -> None:
         "--settle", type=float, default=15.0, help="wait before each phase (start-up, tracer build)"
     )
     parser.add_argument("--busy", type=float, default=1.0, help="busy share of each workload (default 1)")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also print the thread CPU of the agent's main functions over the loaded window (bench/parts/)",
+    )
     args = parser.parse_args()
     wakeup_us = wakeup_cost_us()
     print(f"this machine: one thread wakeup costs {wakeup_us:.1f} us of CPU")
     workdir = Path(tempfile.mkdtemp(prefix="vc-foot-", dir="/tmp"))
+    parts_file = workdir / "parts.txt"
+    if args.parts:  # inherited by the agent's process (and ignored by the others)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(PARTS_DIR), os.environ.get("PYTHONPATH")])
+        )
+        os.environ["VCUDA_PARTS"], os.environ["VCUDA_PARTS_OUT"] = ",".join(PARTS), str(parts_file)
     try:
         port = free_port()
         agent_args = ("--log-level", "WARNING", "--metrics-address", f"127.0.0.1:{port}")
@@ -301,7 +348,12 @@ def main() -> None:
                 node.run_pod(f"pod-{i}", CORES, memory_mib=1024, busy=args.busy)
             print(f"  {args.containers} containers running (busy {args.busy:.2f})")
             time.sleep(args.settle)
+            if args.parts:
+                os.kill(agent, signal.SIGUSR1)  # the parts' window starts with the measured one
             loaded, control = watch_control(node, port, args.seconds, pids)
+            if args.parts:
+                os.kill(agent, signal.SIGUSR2)
+                print_parts(parts_file)
             report("loaded", loaded, wakeup_us)
             print(
                 f"  held: {control.throttled} of {args.containers} containers throttled, "
