@@ -1,10 +1,12 @@
 """Loops that wait for their own work wake for nothing else: under the agent's stop flag
 (agent/stopsignal.py) an idle loop sleeps with no timeout, and setting the flag still ends it
-at once. A parked thread's wakeups are read from /proc/self/task/<tid>/status."""
+at once. Where a thread sleeps, and whether with a timeout, is read from
+/proc/self/task/<tid>/syscall."""
 
 from __future__ import annotations
 
 import http.client
+import platform
 import socket
 import threading
 import time
@@ -25,7 +27,10 @@ from tests.integration.kubeapi import NODE, apiserver, kube, pod_manifest, runni
 
 __all__ = ["apiserver", "kube"]  # fixtures
 
-WINDOW_S = 0.5  # a loop that looked at its flag every 0.1-0.25 s would wake 2-5 times in it
+# A blocked thread's syscall and its arguments (/proc/<pid>/task/<tid>/syscall) tell a wait
+# with no timeout from a timed one: futex(2) with no timeout pointer, or an epoll wait for -1.
+FUTEX = {"x86_64": 202, "aarch64": 98}
+EPOLL_WAITS = {"x86_64": {232, 281}, "aarch64": {22}}
 
 
 def wakeups(thread: threading.Thread) -> int:
@@ -35,19 +40,29 @@ def wakeups(thread: threading.Thread) -> int:
     )
 
 
-def parked(thread: threading.Thread) -> bool:
-    """Asleep, and not woken over 50 ms."""
-    before = wakeups(thread)
-    time.sleep(0.05)
-    state = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state == "S" and wakeups(thread) == before
+def blocked_wait(thread: threading.Thread) -> bool | None:
+    """Whether the thread is blocked in a wait with no timeout (True), in a timed one
+    (False), or in neither (None: running, or in another syscall)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
+    if len(fields) < 5 or not fields[0].isdigit():
+        return None  # "running", or not in a syscall
+    number, timeout = int(fields[0]), int(fields[4], 16)
+    machine = platform.machine()
+    if number == FUTEX[machine]:
+        return timeout == 0
+    if number in EPOLL_WAITS[machine]:
+        return timeout & 0xFFFFFFFF == 0xFFFFFFFF
+    return None
 
 
-def woken_while_idle(thread: threading.Thread) -> int:
-    wait_until(lambda: parked(thread), what=f"{thread.name} asleep")
-    before = wakeups(thread)
-    time.sleep(WINDOW_S)
-    return wakeups(thread) - before
+def waits_with_no_timeout(thread: threading.Thread) -> bool:
+    """Blocked in a wait that only an event can end (a loop that looks at its stop flag
+    every so often is always in a timed one)."""
+    return blocked_wait(thread) is True
+
+
+def parked(thread: threading.Thread) -> None:
+    wait_until(lambda: waits_with_no_timeout(thread), what=f"{thread.name} asleep with no timeout")
 
 
 def thread_named(name: str) -> threading.Thread:
@@ -61,7 +76,7 @@ def test_the_event_recorder_sleeps_until_an_event_or_the_stop_flag(
     recorder = EventRecorder(kube, NODE)
     stop = StopSignal()
     with running(recorder.run, "events-under-test", stop):
-        assert woken_while_idle(thread_named("events-under-test")) == 0
+        parked(thread_named("events-under-test"))
         recorder.pod(pod, "Tested", "an event while the loop slept")
         wait_until(apiserver.events, what="the event posted")
         assert stop.waiting() == 1
@@ -93,10 +108,12 @@ def test_the_annotator_sleeps_until_a_write_or_the_stop_flag() -> None:
     writer = _Writer()
     annotator = Annotator(writer)
     with running(annotator.run, "annotator-under-test", StopSignal()):
-        assert woken_while_idle(thread_named("annotator-under-test")) == 0
+        parked(thread_named("annotator-under-test"))
         annotator.submit(_pod("p"), {"a": "1"})
         assert annotator.flush(10) and writer.written == ["default/p"]
-    with running(annotator.run, "annotator-polling"):  # a plain Event: it still stops
+    with running(annotator.run, "annotator-polling"):  # a plain Event: it polls, and still stops
+        polling = thread_named("annotator-polling")
+        wait_until(lambda: blocked_wait(polling) is False, what="the polling loop seen in a timed wait")
         annotator.submit(_pod("q"), {"a": "1"})
         assert annotator.flush(10) and writer.written == ["default/p", "default/q"]
 
@@ -118,7 +135,14 @@ def test_a_node_watch_and_its_waiters_need_no_thread_or_timeout_to_stop(
             daemon=True,
         )
         waiter.start()
-        assert woken_while_idle(waiter) == 0
+        # Its wait has the caller's timeout (120 s), so it is a timed one: it must not be cut
+        # into slices that look at the flag. Over 0.3 s (a measurement, not a wait for
+        # state), slices of 0.1 s would show as 2 or more wakeups; a parked waiter has none
+        # on any host.
+        wait_until(lambda: blocked_wait(waiter) is not None, what="the waiter blocked")
+        before = wakeups(waiter)
+        time.sleep(0.3)
+        assert wakeups(waiter) - before <= 1
         abort.set()
         waiter.join(10)
         assert returned == [watch.version] and abort.waiting() == 0
@@ -153,7 +177,7 @@ def test_a_quiet_server_serves_sleeps_between_requests_and_shuts_down_at_once() 
             connection.close()
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             pass  # connected and gone before a request: the loop must not wait on it
-        assert woken_while_idle(thread) == 0
+        parked(thread)
     finally:
         started = time.monotonic()
         server.shutdown()
