@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 INVALID_ANNOTATION = "InvalidGPUAnnotation"
 BOUNDED_ANNOTATION = "GPUAnnotationBounded"
 
-# (ledger version, labels object, bounds, pod source version, specs) of the last build
-_Built = tuple[int, Mapping[str, str], SpecBounds, int, tuple[EnforcementSpec, ...]]
+# (ledger version, labels object, bounds, {pod uid: PodInfo seen}, specs) of the last build
+_Built = tuple[int, Mapping[str, str], SpecBounds, dict[str, PodInfo | None], tuple[EnforcementSpec, ...]]
 
 
 class SpecBook:
@@ -47,6 +47,7 @@ class SpecBook:
         self._lock = threading.Lock()
         self._reported: set[tuple[str, str]] = set()  # (pod uid or "node", problem)
         self._cache: _Built | None = None
+        self._pods_version = -1  # the pod cache's version when the cached specs were last found valid
 
     def default_policy(self) -> Policy:
         policy, problem = node_policy(self._node_labels().get(POLICY), self._node)
@@ -58,16 +59,20 @@ class SpecBook:
     def specs(self) -> list[EnforcementSpec]:
         """Every ledger container's spec. The enforcer, the memory guard and every scrape ask
         several times a second, so the list is rebuilt only when the ledger, one of its pods
-        or the node labels changed: checking 128 pods one by one each time cost more than the
-        callers' own work on a full node."""
+        (PodInfo objects are replaced, never changed) or the node labels changed. The pods
+        are compared one by one only when the pod cache's version moved: at 128 containers,
+        comparing them at every call cost 141 us, nine calls a second."""
         labels = self._node_labels()
         bounds = self._bounds()
         version = self._ledger.version
         pods_version = self._pods.version()  # before the read: a change meanwhile rebuilds next time
         with self._lock:
-            cached = self._cache
-        if self._still_valid(cached, version, labels, bounds, pods_version):
+            cached, seen_pods = self._cache, self._pods_version
+        if self._still_valid(cached, version, labels, bounds, pods_version != seen_pods):
             assert cached is not None
+            with self._lock:
+                if self._cache is cached:  # not replaced meanwhile by another caller's build
+                    self._pods_version = pods_version
             return list(cached[4])
         default = self.default_policy()
         items = self._ledger.assignments()
@@ -76,7 +81,7 @@ class SpecBook:
         for spec in out:
             self._report(spec)
         with self._lock:
-            self._cache = (version, labels, bounds, pods_version, tuple(out))
+            self._cache, self._pods_version = (version, labels, bounds, pods, tuple(out)), pods_version
         return out
 
     def spec_for(self, item: Assignment) -> EnforcementSpec:
@@ -89,15 +94,12 @@ class SpecBook:
         version: int,
         labels: Mapping[str, str],
         bounds: SpecBounds,
-        pods_version: int,
+        pods_moved: bool,
     ) -> bool:
-        return (
-            cached is not None
-            and cached[0] == version
-            and cached[1] is labels
-            and cached[2] == bounds
-            and cached[3] == pods_version
-        )
+        if cached is None or cached[0] != version or cached[1] is not labels or cached[2] != bounds:
+            return False
+        # Another pod of the node may have changed: ours are checked, not rebuilt.
+        return not pods_moved or all(self._pods.get(uid) is pod for uid, pod in cached[3].items())
 
     def check_pod(self, pod: PodInfo) -> list[EnforcementSpec]:
         """Specs of one pod's assigned containers, reporting new problems (after Allocate, and

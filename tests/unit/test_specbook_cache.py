@@ -19,8 +19,10 @@ class Pods:
 
     def __init__(self) -> None:
         self.by_uid: dict[str, PodInfo] = {}
+        self.gets = 0
 
     def get(self, uid: str) -> PodInfo | None:
+        self.gets += 1
         return self.by_uid.get(uid)
 
     def pods(self) -> list[PodInfo]:
@@ -87,3 +89,21 @@ def test_a_pod_asking_beyond_the_bounds_gets_them_and_one_event_and_a_wider_conf
     assert [s.cap for s in book.specs()] == [30]
     spec = book.spec_for(ledger.assignments()[0])  # what Allocate hands MPS clients, bounded too
     assert spec.cap == 30
+
+
+def test_pods_are_compared_only_when_the_pod_cache_moved_and_an_unrelated_change_rebuilds_nothing() -> None:
+    labels: dict[str, str] = {}
+    ledger = Ledger(make_gpus(1))
+    pods = Pods()
+    book = SpecBook(ledger, pods, Events(), "n", lambda: labels, bounds=lambda: ANY_LIMIT)
+    pod = make_pod("a", container("c", 30, 1024))
+    pods.by_uid[pod.uid] = pod
+    ledger.assign(Assignment(pod.uid, "default", "a", "c", False, (0,), 30, 1024))
+    first = book.specs()
+    pods.gets = 0
+    assert book.specs()[0] is first[0] and pods.gets == 0  # the cache's version did not move
+    other = make_pod("b", container("c", 10, 1024))
+    pods.by_uid[other.uid] = other  # another pod of the node: the version moves
+    assert book.specs()[0] is first[0] and pods.gets == 1  # ours compared, nothing rebuilt
+    pods.gets = 0
+    assert book.specs()[0] is first[0] and pods.gets == 0
