@@ -15,6 +15,8 @@ import socketserver
 import threading
 from typing import Any
 
+from agent.platform.threadname import set_native_name
+
 
 class QuietServing(socketserver.TCPServer):
     """Put first in a server's bases: ``class S(QuietServing, ThreadingHTTPServer)``.
@@ -36,6 +38,7 @@ class QuietServing(socketserver.TCPServer):
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """Handle requests until :meth:`shutdown`; ``poll_interval`` is ignored (nothing polls)."""
+        set_native_name(threading.current_thread().name)  # per-thread CPU and wakeups name it
         self._serving.set()
         try:
             if self._stopping.is_set():

@@ -8,11 +8,13 @@ the agent watches for the create and delete events themselves.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import select
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,21 +75,35 @@ class DirectoryWatch:
             err = ctypes.get_errno()
             os.close(fd)
             raise PlatformError(f"cannot watch {directory}: {os.strerror(err)}")
+        # wake() ends a read() that waits with no timeout (the owner is stopping).
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._closing = threading.Lock()  # wake() from another thread never writes a closed fd
 
     def fileno(self) -> int:
         return self._fd
 
-    def read(self, timeout_s: float) -> list[InotifyEvent]:
-        """Events that arrive within ``timeout_s``; ``[]`` on timeout."""
+    def read(self, timeout_s: float | None) -> list[InotifyEvent]:
+        """Events that arrive within ``timeout_s`` (None: until one does, or :meth:`wake`);
+        ``[]`` on timeout or a wake-up."""
         if self._fd < 0:
             raise PlatformError("the inotify watch is closed")
-        records = _read_records(self._fd, timeout_s, f"for {self.directory} ")
+        records = _read_records(self._fd, timeout_s, f"for {self.directory} ", self._wake_read)
         return [InotifyEvent(mask, name) for _wd, mask, name in records]
 
+    def wake(self) -> None:
+        """End the current (or the next) read at once; from any thread."""
+        with self._closing:
+            if self._fd >= 0:
+                with contextlib.suppress(BlockingIOError):  # a byte is there already: it wakes anyway
+                    os.write(self._wake_write, b"\0")
+
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._closing:
+            if self._fd >= 0:
+                os.close(self._fd)
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._fd = -1
 
     def __enter__(self) -> DirectoryWatch:
         return self
@@ -161,10 +177,17 @@ class TreeWatch:
             self._paths.clear()
 
 
-def _read_records(fd: int, timeout_s: float, what: str) -> list[tuple[int, int, str]]:
-    """(watch descriptor, mask, name) of the events that arrive within ``timeout_s``."""
-    ready, _, _ = select.select([fd], [], [], max(0.0, timeout_s))
-    if not ready:
+def _read_records(
+    fd: int, timeout_s: float | None, what: str, wake_fd: int | None = None
+) -> list[tuple[int, int, str]]:
+    """(watch descriptor, mask, name) of the events that arrive within ``timeout_s`` (None:
+    no timeout); a byte on ``wake_fd`` ends the wait too."""
+    fds = [fd] if wake_fd is None else [fd, wake_fd]
+    ready, _, _ = select.select(fds, [], [], None if timeout_s is None else max(0.0, timeout_s))
+    if wake_fd is not None and wake_fd in ready:
+        with contextlib.suppress(BlockingIOError):
+            os.read(wake_fd, 64)
+    if fd not in ready:
         return []
     try:
         data = os.read(fd, 64 * 1024)

@@ -19,6 +19,8 @@ from agent.platform.gpu.sim.nodefile import SimNodeDir
 from agent.platform.kubelet.channel import rpc_error_parts
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from tests.conftest import AgentProcess
+from tests.integration.blocking import blocked_wait, task_named
+from tests.integration.kubeapi import wait_until
 
 Start = Callable[..., AgentProcess]
 
@@ -210,6 +212,20 @@ def test_plugin_socket_deleted_is_served_again(start_agent: Start, kubelet: Kube
     assert kubelet.wait_for(lambda: len(kubelet.registrations) > before, 1.0)
     assert (agent.plugin_dir / "vcuda-core.sock").is_socket()
     assert len(kubelet.wait_for_plugin(timeout_s=1.0).devices) == 200
+
+
+def test_a_registered_endpoint_sleeps_until_its_directory_changes(
+    start_agent: Start, kubelet: KubeletEmulator
+) -> None:
+    agent = start_agent()
+    kubelet.wait_for_plugin()
+    tid = wait_until(lambda: task_named(agent.pid, "plugin-endpoint"), what="the endpoint's thread")
+    wait_until(lambda: blocked_wait(tid, agent.pid) is True, what="the endpoint asleep with no timeout")
+    before = len(kubelet.registrations)
+    (agent.plugin_dir / "vcuda-core.sock").unlink()  # a change of the directory still wakes it
+    assert kubelet.wait_for(lambda: len(kubelet.registrations) > before, 5.0)
+    assert (agent.plugin_dir / "vcuda-core.sock").is_socket()
+    assert agent.stop() == 0  # and stop() does
 
 
 def test_agent_registers_when_kubelet_comes_up_later(start_agent: Start, short_dir: Path) -> None:

@@ -1,18 +1,16 @@
 """Loops that wait for their own work wake for nothing else: under the agent's stop flag
 (agent/stopsignal.py) an idle loop sleeps with no timeout, and setting the flag still ends it
 at once. Where a thread sleeps, and whether with a timeout, is read from
-/proc/self/task/<tid>/syscall."""
+/proc/self/task/<tid>/syscall (tests/integration/blocking.py)."""
 
 from __future__ import annotations
 
 import http.client
-import platform
 import socket
 import threading
 import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 from kubernetes.client import ApiClient
 
@@ -23,42 +21,20 @@ from agent.platform.kube.events import EventRecorder
 from agent.platform.kube.nodes import NodeWatch
 from agent.platform.kube.pods import PodInfo, pod_from_json
 from agent.stopsignal import StopSignal
+from tests.integration.blocking import blocked_wait, voluntary_switches
 from tests.integration.kubeapi import NODE, apiserver, kube, pod_manifest, running, wait_until
 
 __all__ = ["apiserver", "kube"]  # fixtures
 
-# A blocked thread's syscall and its arguments (/proc/<pid>/task/<tid>/syscall) tell a wait
-# with no timeout from a timed one: futex(2) with no timeout pointer, or an epoll wait for -1.
-FUTEX = {"x86_64": 202, "aarch64": 98}
-EPOLL_WAITS = {"x86_64": {232, 281}, "aarch64": {22}}
-
 
 def wakeups(thread: threading.Thread) -> int:
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return next(
-        int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt_switches:")
-    )
-
-
-def blocked_wait(thread: threading.Thread) -> bool | None:
-    """Whether the thread is blocked in a wait with no timeout (True), in a timed one
-    (False), or in neither (None: running, or in another syscall)."""
-    fields = Path(f"/proc/self/task/{thread.native_id}/syscall").read_text().split()
-    if len(fields) < 5 or not fields[0].isdigit():
-        return None  # "running", or not in a syscall
-    number, timeout = int(fields[0]), int(fields[4], 16)
-    machine = platform.machine()
-    if number == FUTEX[machine]:
-        return timeout == 0
-    if number in EPOLL_WAITS[machine]:
-        return timeout & 0xFFFFFFFF == 0xFFFFFFFF
-    return None
+    assert thread.native_id is not None
+    return voluntary_switches(thread.native_id)
 
 
 def waits_with_no_timeout(thread: threading.Thread) -> bool:
-    """Blocked in a wait that only an event can end (a loop that looks at its stop flag
-    every so often is always in a timed one)."""
-    return blocked_wait(thread) is True
+    assert thread.native_id is not None
+    return blocked_wait(thread.native_id) is True
 
 
 def parked(thread: threading.Thread) -> None:
@@ -113,7 +89,10 @@ def test_the_annotator_sleeps_until_a_write_or_the_stop_flag() -> None:
         assert annotator.flush(10) and writer.written == ["default/p"]
     with running(annotator.run, "annotator-polling"):  # a plain Event: it polls, and still stops
         polling = thread_named("annotator-polling")
-        wait_until(lambda: blocked_wait(polling) is False, what="the polling loop seen in a timed wait")
+        wait_until(
+            lambda: blocked_wait(polling.native_id or 0) is False,
+            what="the polling loop seen in a timed wait",
+        )
         annotator.submit(_pod("q"), {"a": "1"})
         assert annotator.flush(10) and writer.written == ["default/p", "default/q"]
 
@@ -139,7 +118,7 @@ def test_a_node_watch_and_its_waiters_need_no_thread_or_timeout_to_stop(
         # into slices that look at the flag. Over 0.3 s (a measurement, not a wait for
         # state), slices of 0.1 s would show as 2 or more wakeups; a parked waiter has none
         # on any host.
-        wait_until(lambda: blocked_wait(waiter) is not None, what="the waiter blocked")
+        wait_until(lambda: blocked_wait(waiter.native_id or 0) is not None, what="the waiter blocked")
         before = wakeups(waiter)
         time.sleep(0.3)
         assert wakeups(waiter) - before <= 1

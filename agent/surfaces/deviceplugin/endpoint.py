@@ -24,12 +24,15 @@ from agent.platform.inotify import DirectoryWatch
 from agent.platform.kubelet.channel import API_VERSION, register_with_kubelet, unix_target
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2 as pb
 from agent.platform.kubelet.pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from agent.platform.threadname import set_native_name
 from agent.settings import DevicePluginSettings
 from agent.surfaces.deviceplugin.watch import WatchedPlugin
 
 log = logging.getLogger(__name__)
 
-_WATCH_TICK_S = 0.2  # bounds how long stop() waits for the watch thread
+# While not registered (or without a watch), the loop looks again this often; registered, it
+# sleeps until the directory changes or stop() wakes it.
+_WATCH_TICK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class PluginEndpoint:
         self._socket_id: tuple[int, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch: DirectoryWatch | None = None  # the loop's, for stop() to wake
         self._lock = threading.Lock()
         self._registered = False
         self._registrations = 0
@@ -87,6 +91,10 @@ class PluginEndpoint:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            watch = self._watch
+        if watch is not None:
+            watch.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._shutdown_server()
@@ -161,11 +169,15 @@ class PluginEndpoint:
 
     # Watching --------------------------------------------------------------
     def _watch_loop(self) -> None:
+        set_native_name(threading.current_thread().name)  # per-thread CPU and wakeups name it
         watch = self._open_watch()
         self._register()
         try:
             while not self._stop.is_set():
-                events = watch.read(_WATCH_TICK_S) if watch else []
+                # Registered and served, only a change of the directory (our socket or
+                # kubelet.sock removed, re-created) can call for anything.
+                wait = None if self.status().registered else _WATCH_TICK_S
+                events = watch.read(wait) if watch else []
                 if watch is None or any(e.watch_gone for e in events):
                     if watch is not None:
                         watch.close()
@@ -174,6 +186,8 @@ class PluginEndpoint:
                     break
                 self._react(any(e.created and e.name == "kubelet.sock" for e in events))
         finally:
+            with self._lock:
+                self._watch = None
             if watch is not None:
                 watch.close()
 
@@ -207,11 +221,16 @@ class PluginEndpoint:
 
     def _open_watch(self) -> DirectoryWatch | None:
         try:
-            return DirectoryWatch(self._settings.directory)
+            watch = DirectoryWatch(self._settings.directory)
         except PlatformError as err:
             log.warning("%s; checking the directory every %.1f s instead", err, _WATCH_TICK_S)
             self._stop.wait(_WATCH_TICK_S)
             return None
+        with self._lock:
+            self._watch = watch
+        if self._stop.is_set():
+            watch.wake()  # stop() looked before the watch was there
+        return watch
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ from agent.platform.inotify import DirectoryWatch
 from agent.platform.kubelet.channel import unix_target
 from agent.platform.kubelet.pb import pluginregistration_v1_pb2 as reg
 from agent.platform.kubelet.pb import pluginregistration_v1_pb2_grpc as reg_grpc
+from agent.platform.threadname import set_native_name
 from agent.settings import DraSettings
 from agent.surfaces.draplugin.preparer import ClaimPreparer
 from agent.surfaces.draplugin.service import add_dra_services
@@ -174,6 +175,7 @@ class DraPluginEndpoint:
 
     # Watching ------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
+        set_native_name(threading.current_thread().name)  # per-thread CPU and wakeups name it
         watch = self._open_watch()
         try:
             while not self._stop.is_set():
