@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from agent.control.specbook import SpecBook
 from agent.domain.annotations import CORE_LIMIT, Policy
@@ -53,14 +53,20 @@ class Events:
         self.seen.append(reason)
 
 
-def test_specs_follow_ledger_pod_and_label_changes_and_are_reused_otherwise() -> None:
-    labels: dict[str, str] = {}
+def one_pod_book(labels: Callable[[], Mapping[str, str]]) -> tuple[SpecBook, Pods, Ledger, PodInfo]:
+    """A book over a ledger with one pod's container (30 cores, 1 GiB) on GPU 0."""
     ledger = Ledger(make_gpus(1))
     pods = Pods()
-    book = SpecBook(ledger, pods, Events(), "n", lambda: labels, bounds=lambda: ANY_LIMIT)
+    book = SpecBook(ledger, pods, Events(), "n", labels, bounds=lambda: ANY_LIMIT)
     pod = make_pod("a", container("c", 30, 1024))
     pods.by_uid[pod.uid] = pod
     ledger.assign(Assignment(pod.uid, "default", "a", "c", False, (0,), 30, 1024))
+    return book, pods, ledger, pod
+
+
+def test_specs_follow_ledger_pod_and_label_changes_and_are_reused_otherwise() -> None:
+    labels: dict[str, str] = {}
+    book, pods, ledger, pod = one_pod_book(lambda: labels)
     first = book.specs()
     assert [s.cap for s in first] == [30]
     assert book.specs()[0] is first[0]  # nothing changed: the same spec objects
@@ -93,12 +99,7 @@ def test_a_pod_asking_beyond_the_bounds_gets_them_and_one_event_and_a_wider_conf
 
 def test_pods_are_compared_only_when_the_pod_cache_moved_and_an_unrelated_change_rebuilds_nothing() -> None:
     labels: dict[str, str] = {}
-    ledger = Ledger(make_gpus(1))
-    pods = Pods()
-    book = SpecBook(ledger, pods, Events(), "n", lambda: labels, bounds=lambda: ANY_LIMIT)
-    pod = make_pod("a", container("c", 30, 1024))
-    pods.by_uid[pod.uid] = pod
-    ledger.assign(Assignment(pod.uid, "default", "a", "c", False, (0,), 30, 1024))
+    book, pods, _, _ = one_pod_book(lambda: labels)
     first = book.specs()
     pods.gets = 0
     assert book.specs()[0] is first[0] and pods.gets == 0  # the cache's version did not move
