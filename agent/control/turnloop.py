@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from agent.control.containers import ContainerControl, GpuView
 from agent.control.turnfigures import update_figures
 from agent.control.turnmeter import TurnMeter
-from agent.control.turntiming import cycle_length, drain_wait
+from agent.control.turntiming import cycle_length, drain_wait, ridden_end, rides
 from agent.domain.annotations import Policy
 from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn, nominal_cycle
 
@@ -55,6 +55,10 @@ class _GpuTurns:
     expected: dict[str, float] = field(default_factory=dict)  # drain expected after its next freeze
     figured: dict[str, float] = field(default_factory=dict)  # status figures last worked out
     nominal_s: float = 0.0  # its cycle, stretched where crowded (0: not worked out yet)
+
+    def planned(self) -> list[float]:
+        """When the loop is to wake for this GPU: its next decision and its pending actions."""
+        return [self.next_decision, *(p[0] for p in self.pending)]
 
 
 class TurnLoop:
@@ -312,7 +316,9 @@ class TurnLoop:
         time has come); the enforcer acts and reports back with :meth:`acted`."""
         out = []
         for gpu, state in self._gpus.items():
-            if state.next_decision <= now + self.settings.slot_s:
+            crowded = state.nominal_s > self.settings.cycle_s + 1e-9
+            early = state.next_decision - now
+            if early <= self.settings.slot_s or (crowded and rides(state.turn, early, self.settings)):
                 self._decide(gpu, now)
             while state.pending and state.pending[0][0] <= now + self.settings.slot_s:
                 _, key, thaw = state.pending.pop(0)
@@ -380,6 +386,9 @@ class TurnLoop:
             state.pending.append((start, key, True))
         if owner is not None:
             end = start + (turn.thaw_until - turn.start)
+            if state.nominal_s > self.settings.cycle_s + 1e-9:
+                planned = (t for g, other in self._gpus.items() if g != gpu for t in other.planned())
+                end = ridden_end(turn, end, planned, self.settings)
             state.pending.append((end, owner, False))
             if turn.drain is not None:
                 state.expected[owner] = turn.drain

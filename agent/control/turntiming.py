@@ -1,13 +1,15 @@
-"""When turns happen: how long a cycle of turns is, and how long a turn waits for the
-drains of those just frozen (:class:`~agent.control.turnloop.TurnLoop` asks both)."""
+"""When turns happen: how long a cycle of turns is, how long a turn waits for the drains of
+those just frozen, and where a crowded GPU's turn ends to share a wake-up of the loop
+(:class:`~agent.control.turnloop.TurnLoop` asks all three)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from agent.domain.fluid import Attribution, Demand
-from agent.domain.turns import TurnSettings, nominal_cycle
+from agent.domain.turns import Turn, TurnSettings, nominal_cycle
 
 
 def cycle_length(
@@ -69,3 +71,23 @@ def drain_wait(
             wait = min(settings.first_drain_wait_s, 2 * wait)
         until = max(until, at + wait)
     return until - now
+
+
+def _ride_window(turn: Turn[Any], settings: TurnSettings) -> float:
+    """How far a plain held turn's end may move (0 for a turn of whole units or nobody's)."""
+    if turn.key is None or turn.units:
+        return 0.0
+    return min(settings.ride_s, settings.ride_share * (turn.thaw_until - turn.start))
+
+
+def rides(turn: Turn[Any] | None, early: float, settings: TurnSettings) -> bool:
+    """Whether ``turn``, due to end ``early`` seconds from now, ends in this wake-up of the
+    loop, made for something else, rather than in one of its own a little later."""
+    return turn is not None and early <= _ride_window(turn, settings)
+
+
+def ridden_end(turn: Turn[Any], end: float, planned: Iterable[float], settings: TurnSettings) -> float:
+    """Where ``turn``, planned to end at ``end``, ends: at the first wake-up already
+    ``planned`` for another GPU a little later, where there is one."""
+    late = _ride_window(turn, settings)
+    return min((t for t in planned if end < t <= end + late), default=end)

@@ -71,6 +71,14 @@ class TurnSettings:
     idle_balance_quanta: float = 0.5  # an idle held container keeps at most this much of a quantum
     # When turns are taken (control/turnloop.py):
     slot_s: float = 0.004  # actions this close together go in one wake-up
+    # On a crowded GPU (its cycle stretched), a held container's plain turn (not whole units)
+    # ends in a wake-up the loop makes anyway, if that is within ride_s and ride_share of its
+    # thaw of the planned end: later, where another GPU's action is planned then; earlier,
+    # where the loop is awake for something else. On a full node each turn end was a
+    # wake-up of its own, and a wake-up, not the work in it, was most of the loop's CPU. The
+    # account pays for a shorter or longer turn with the next one, so the share holds.
+    ride_s: float = 0.02
+    ride_share: float = 0.25
     read_wait_share: float = 0.4  # a period's read of the samples waits this share of it at most
     first_drain_wait_s: float = 4.0  # the longest wait for a drain to show over in the samples
     min_cycle_s: float = 0.2  # the shortest cycle of turns
@@ -135,6 +143,7 @@ class Turn(Generic[K]):
     thaw_until: float  # the held container is frozen then
     next_decision: float
     drain: float | None = None  # GPU seconds expected to run on after its freeze
+    units: int = 0  # whole units of work it lets in (0: a plain thaw of what its budget buys)
 
 
 def next_turn(
@@ -200,7 +209,7 @@ def next_turn(
         units = max(1, min(round(budget / unit), int(settings.max_turn_s / unit) + 1))
         thaw = settings.min_thaw_s + (units - 1) * unit * UNIT_MARGIN
         drain = max(0.0, unit - settings.min_thaw_s - (units - 1) * unit * (UNIT_MARGIN - 1))
-        return Turn(key, at, at + thaw, at + thaw, drain)
+        return Turn(key, at, at + thaw, at + thaw, drain, units)
     rate = max(0.05, min(1.0, rates.get(key, 1.0)))
     thaw = (budget - drains.get(key, 0.0)) / rate
     thaw = min(settings.max_turn_s, max(settings.min_thaw_s, thaw))

@@ -12,6 +12,7 @@ from agent.control.enforcer import Enforcer
 from agent.domain.annotations import Policy
 from agent.domain.dutycontrol import Gains
 from agent.domain.specs import EnforcementSpec
+from agent.domain.turns import TurnSettings
 from agent.emulators.virtualgpu import VirtualGpuNode
 from agent.platform.cgroups.paths import ContainerRef
 from agent.platform.gpu.sim.engineconfig import EngineConfig
@@ -57,11 +58,13 @@ class Rig:
         uncredited: frozenset[str] = frozenset(),
         *,
         concurrent: Callable[[int], bool] = lambda _gpu: False,
+        turns: TurnSettings | None = None,
     ) -> None:
         """``feedback``: "device" (turns, the default) or "nvml" (the legacy duty cycles);
         ``untrusted``: the enforcer's (MPS limits not trusted); ``uncredited``: the containers
         whose samples no container owns (NVML credits an MPS client's work to the server);
-        ``concurrent``: the enforcer's (whether the GPU's clients run concurrently now)."""
+        ``concurrent``: the enforcer's (whether the GPU's clients run concurrently now);
+        ``turns``: the enforcer's turn settings (None: the defaults)."""
         self.clock = VirtualClock()
         self._hidden = uncredited
         self.gpu = VirtualGpuNode(self.clock, [config or EngineConfig()])
@@ -69,6 +72,7 @@ class Rig:
         self.stats: dict[str, WorkloadStats] = {}
         self._gains, self._feedback, self._untrusted = gains, feedback, untrusted
         self._concurrent = concurrent
+        self._turns = turns
         self.enforcer = self._new_enforcer()
         self.start = self.clock.monotonic()
         self._times: list[float] = []
@@ -90,6 +94,7 @@ class Rig:
             untrusted=self._untrusted,
             concurrent=self._concurrent,
             clock=self.clock,
+            turns=self._turns,
         )
 
     def restart(self, down_s: float) -> None:
