@@ -82,11 +82,22 @@ class Member:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    wakeups_per_s: float
+    wakeups_per_s: float  # the loop's sleeps that ended
     freezes_per_s: float
-    max_over_pp: float
-    p95_over_pp: float
-    mean_under_pp: float
+    uses: dict[str, float]  # each container's use, percent of its GPU
+    over: list[float]  # each container's use less its cap, pp, lowest first
+
+    @property
+    def max_over_pp(self) -> float:
+        return self.over[-1]
+
+    @property
+    def p95_over_pp(self) -> float:
+        return self.over[int(0.95 * (len(self.over) - 1))]
+
+    @property
+    def mean_under_pp(self) -> float:
+        return sum(-min(0.0, o) for o in self.over) / len(self.over)
 
 
 def full_node(pattern: PatternSpec) -> tuple[list[Member], list[float]]:
@@ -118,7 +129,12 @@ def run(
     settings: TurnSettings,
     phase_s: float,
     seconds: float,
+    *,
+    settle_s: float = SETTLE_S,
 ) -> Outcome:
+    """``members`` on 8 simulated GPUs (``periods``: their device sample periods) under one
+    enforcer with ``settings``, started ``phase_s`` after the engine; ``settle_s`` to settle,
+    then ``seconds`` measured."""
     clock = _CountingClock()
     node = VirtualGpuNode(clock, [EngineConfig(seed=g, sample_period_s=p) for g, p in enumerate(periods)])
     specs = []
@@ -145,19 +161,18 @@ def run(
             index += 1
             clock.sleep(start + index * PERIOD_S - clock.monotonic())
 
-    run_for(SETTLE_S)
+    run_for(settle_s)
     ran = {m.name: node.gpu_seconds(m.name) for m in members}
     freezes = sum(c.freezes for c in enforcer.controls())
     wakeups, start = clock.wakeups, clock.monotonic()
     run_for(seconds)
     span = clock.monotonic() - start
-    over = sorted(100 * (node.gpu_seconds(m.name) - ran[m.name]) / span - m.cap for m in members)
+    uses = {m.name: 100 * (node.gpu_seconds(m.name) - ran[m.name]) / span for m in members}
     return Outcome(
         (clock.wakeups - wakeups) / span,
         (sum(c.freezes for c in enforcer.controls()) - freezes) / span,
-        over[-1],
-        over[int(0.95 * (len(over) - 1))],
-        sum(-min(0.0, o) for o in over) / len(over),
+        uses,
+        sorted(uses[m.name] - m.cap for m in members),
     )
 
 

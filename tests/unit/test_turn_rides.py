@@ -1,90 +1,23 @@
 """Turn ends that ride on wake-ups made for other GPUs (``TurnSettings.ride_s``): on a full
 node the loop wakes for each GPU's freezes and thaws, and a wake-up costs the agent more
-than the work in it. A plain turn that would end a little after another GPU's planned
-action runs on to it, one that would end a little after a wake-up the loop makes anyway
-ends in it; in virtual time the loop wakes far less often and every share holds as before."""
+than the work in it. On a crowded GPU a plain turn that would end a little before another
+GPU's planned action runs on to it, and one that would end a little after a wake-up the loop
+makes anyway ends in it. In virtual time the loop wakes far less often, and every share
+holds as before (the node runner is ``bench/turn_rides.py``'s)."""
 
 from __future__ import annotations
 
-import dataclasses
-import threading
+import sys
+from pathlib import Path
 
 import pytest
 
-from agent.clock import VirtualClock
-from agent.control.actuators import ThrottleTarget
-from agent.control.enforcer import Enforcer
 from agent.domain.turns import TurnSettings
-from agent.emulators.virtualgpu import VirtualGpuNode
-from agent.platform.gpu.sim.engineconfig import EngineConfig
-from agent.platform.gpu.sim.programs import PatternSpec, WorkloadStats, pattern_program
-from tests.unit.enforcer_plant import PERIOD, Rig, spec
+from agent.platform.gpu.sim.programs import PatternSpec
+from tests.unit.enforcer_plant import Rig, spec
 
-
-class WakeCountingClock(VirtualClock):
-    """A virtual clock that counts the sleeps that end in a wake-up (a positive wait)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wakeups = 0
-
-    def sleep(self, seconds: float, stop: threading.Event | None = None) -> bool:
-        if seconds > 0:
-            self.wakeups += 1
-        return super().sleep(seconds, stop)
-
-
-@dataclasses.dataclass
-class NodeRun:
-    wakeups_per_s: float
-    freezes_per_s: float
-    shares: dict[str, float]  # percent of its GPU over the measured window
-
-
-def run_node(settings: TurnSettings, pattern: PatternSpec, *, gpus: int = 8, per_gpu: int = 16) -> NodeRun:
-    """``per_gpu`` fixed-share 6 % containers on each of ``gpus`` simulated GPUs under one
-    enforcer (the footprint benchmark's node): 10 s to settle, 40 s measured."""
-    clock = WakeCountingClock()
-    node = VirtualGpuNode(clock, [EngineConfig(seed=g) for g in range(gpus)])
-    specs = []
-    for g in range(gpus):
-        for i in range(per_gpu):
-            name = f"g{g}c{i}"
-            specs.append(dataclasses.replace(spec(name, 6), gpus=(g,)))
-            node.add(
-                name, g, pattern_program(dataclasses.replace(pattern, seed=g * 100 + i), WorkloadStats())
-            )
-    enforcer = Enforcer(
-        gpus=list(range(gpus)),
-        samples=node,
-        specs=lambda: specs,
-        owner_of=node.owner_of,
-        locate=lambda s: ThrottleTarget(s.container_id, None, None),
-        actuator=node,
-        period_s=PERIOD,
-        clock=clock,
-        turns=settings,
-    )
-
-    def run_for(seconds: float) -> None:
-        start, index = clock.monotonic(), 0
-        while clock.monotonic() - start < seconds - 1e-9:
-            enforcer.period()
-            index += 1
-            clock.sleep(start + index * PERIOD - clock.monotonic())
-
-    run_for(10.0)
-    names = list(node.containers)
-    ran = {n: node.gpu_seconds(n) for n in names}
-    freezes = sum(c.freezes for c in enforcer.controls())
-    wakeups, start = clock.wakeups, clock.monotonic()
-    run_for(40.0)
-    span = clock.monotonic() - start
-    return NodeRun(
-        (clock.wakeups - wakeups) / span,
-        (sum(c.freezes for c in enforcer.controls()) - freezes) / span,
-        {n: 100 * (node.gpu_seconds(n) - ran[n]) / span for n in names},
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from turn_rides import full_node, run
 
 
 @pytest.mark.parametrize(
@@ -93,15 +26,18 @@ def run_node(settings: TurnSettings, pattern: PatternSpec, *, gpus: int = 8, per
     ids=["train", "graph", "infer"],
 )
 def test_on_a_full_node_the_loop_wakes_less_and_every_share_holds(pattern: PatternSpec) -> None:
-    alone = run_node(TurnSettings(ride_s=0.0), pattern)
-    riding = run_node(TurnSettings(), pattern)
-    # Measured here: 8 GPUs of 16 take 62-70 wake-ups a second without rides, 20-46 with.
+    """The footprint benchmark's node: 8 GPUs of 16 fixed-share 6 % containers under one
+    enforcer, 10 s to settle, 40 s measured."""
+    members, periods = full_node(pattern)
+    alone = run(members, periods, TurnSettings(ride_s=0.0), 0.0, 40.0, settle_s=10.0)
+    riding = run(members, periods, TurnSettings(), 0.0, 40.0, settle_s=10.0)
+    # Measured here: 62-70 wake-ups a second without rides, 20-46 with.
     assert riding.wakeups_per_s <= 0.8 * alone.wakeups_per_s, (riding.wakeups_per_s, alone.wakeups_per_s)
     # As many turns (a freeze each) as before: rides move turn ends, they add no turns.
     assert riding.freezes_per_s <= 1.05 * alone.freezes_per_s, (riding.freezes_per_s, alone.freezes_per_s)
     # Each share as close to its 6 as before (a turn in a 2-3 s cycle more or less in the
     # window moves one by about 0.2 pp): the highest, the lowest and the mean.
-    before, after = sorted(alone.shares.values()), sorted(riding.shares.values())
+    before, after = sorted(alone.uses.values()), sorted(riding.uses.values())
     assert after[-1] <= max(6.5, before[-1] + 0.25), (before, after)
     assert after[0] >= min(5.0, before[0] - 0.25), (before, after)
     assert sum(after) / len(after) >= sum(before) / len(before) - 0.15, (before, after)
