@@ -56,6 +56,10 @@ class _GpuTurns:
     figured: dict[str, float] = field(default_factory=dict)  # status figures last worked out
     nominal_s: float = 0.0  # its cycle, stretched where crowded (0: not worked out yet)
 
+    def crowded(self, settings: TurnSettings) -> bool:
+        """Whether so many take turns here that its cycle stretched (turns ride, TurnSettings.ride_s)."""
+        return self.nominal_s > settings.cycle_s + 1e-9
+
     def planned(self) -> list[float]:
         """When the loop is to wake for this GPU: its next decision and its pending actions."""
         return [self.next_decision, *(p[0] for p in self.pending)]
@@ -316,9 +320,10 @@ class TurnLoop:
         time has come); the enforcer acts and reports back with :meth:`acted`."""
         out = []
         for gpu, state in self._gpus.items():
-            crowded = state.nominal_s > self.settings.cycle_s + 1e-9
             early = state.next_decision - now
-            if early <= self.settings.slot_s or (crowded and rides(state.turn, early, self.settings)):
+            if early <= self.settings.slot_s or (
+                state.crowded(self.settings) and rides(state.turn, early, self.settings)
+            ):
                 self._decide(gpu, now)
             while state.pending and state.pending[0][0] <= now + self.settings.slot_s:
                 _, key, thaw = state.pending.pop(0)
@@ -386,7 +391,7 @@ class TurnLoop:
             state.pending.append((start, key, True))
         if owner is not None:
             end = start + (turn.thaw_until - turn.start)
-            if state.nominal_s > self.settings.cycle_s + 1e-9:
+            if state.crowded(self.settings):
                 planned = (t for g, other in self._gpus.items() if g != gpu for t in other.planned())
                 end = ridden_end(turn, end, planned, self.settings)
             state.pending.append((end, owner, False))
