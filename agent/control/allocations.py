@@ -74,7 +74,7 @@ class Allocations:
     def prefer(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Steer to the extender's GPU, or to a GPU whose ledger has room for the best
         candidate's memory; otherwise the plain placement."""
-        best = self._best(size) or self._await_best(size)
+        best = self._best(size, fresh=True) or self._await_best(size)
         available = self._by_isolation(best, available)
         target = steer(best)
         if target is None and best is not None and not is_whole(size):
@@ -115,7 +115,7 @@ class Allocations:
     # Allocate -------------------------------------------------------------------
     def allocate(self, device_ids: Sequence[str], resolved: ResolvedRequest) -> Assignment:
         """Assign the IDs to a pod's container; AllocationError (with the reason) if none fits."""
-        if self._best(resolved.cores) is None:
+        if self._best(resolved.cores, fresh=True) is None:
             self._await_best(resolved.cores)
         try:
             with self._lock:
@@ -230,13 +230,17 @@ class Allocations:
         raise WrongPodStartError(message)
 
     def _await_best(self, size: int) -> Candidate | None:
-        # kubelet admits a pod as soon as its own watch sees it; ours may be a moment behind.
-        self._pods.wait_for(lambda: self._best(size) is not None, self._wait_s)
+        """kubelet admits a pod as soon as its own watch sees it; ours may be a moment behind.
+        Waits (at most ``wait_for_pod_s``) for a candidate not refused before: a pod refused
+        a moment ago is still Pending in the cache, and the pod asking now is another one."""
+        self._pods.wait_for(lambda: self._best(size, fresh=True) is not None, self._wait_s)
         return self._best(size)
 
-    def _best(self, size: int) -> Candidate | None:
+    def _best(self, size: int, *, fresh: bool = False) -> Candidate | None:
+        """The best candidate; ``fresh``: None where only pods refused before ask ``size``."""
         with self._lock:
-            return next(self._ranked(size)[0], None)
+            best = next(self._ranked(size)[0], None)
+            return None if fresh and best is not None and best.pod.uid in self._refused else best
 
     def _ranked(self, size: int) -> tuple[Iterator[Candidate], int]:
         """(candidates best first, pods in the cache); the caller holds self._lock (the profile
