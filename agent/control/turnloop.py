@@ -7,10 +7,11 @@ Per GPU, each control period:
    held containers' accounts with it;
 2. :meth:`TurnLoop.update` sets each container's target by policy (as the duty cycles did:
    fixed-share its cap; burst-share its ceiling while alone, its request while a neighbour
-   is active; best-effort none) and decides who is *held*: a container measured over its
-   target is held from then on; a held one that has not spent what it earned for
-   ``idle_hold_s`` (it needs less than its share), or that used ``release_under_pp`` under
-   its target for as long, is released; nobody is held on stale readings;
+   is active; best-effort none) and decides who is *held* (:mod:`agent.control.turnholds`):
+   a container measured over its target is held from then on; a held one that has not
+   spent what it earned for ``idle_hold_s`` (it needs less than its share), or that used
+   ``release_under_pp`` under its target for as long, is released; nobody is held on stale
+   readings;
 3. between periods, :meth:`TurnLoop.due` runs the turns (:mod:`agent.domain.turns`): at
    each turn's start the held container whose turn it is is thawed and every other held
    one is frozen; unheld containers that use the GPU *yield* (are frozen) during held
@@ -31,10 +32,10 @@ from dataclasses import dataclass, field
 
 from agent.control.containers import ContainerControl, GpuView
 from agent.control.turnfigures import update_figures
+from agent.control.turnholds import HoldChange, HoldClocks, hold_or_release, is_active, target, used_lately
 from agent.control.turnmeter import TurnMeter
 from agent.control.turntiming import cycle_length, drain_wait, ridden_end, rides
-from agent.domain.annotations import Policy
-from agent.domain.turns import Account, Cycle, Turn, TurnSettings, next_turn, nominal_cycle
+from agent.domain.turns import Cycle, Turn, TurnSettings, next_turn, nominal_cycle
 
 
 @dataclass
@@ -45,9 +46,7 @@ class _GpuTurns:
     controls: dict[str, ContainerControl] = field(default_factory=dict)
     yielding: set[str] = field(default_factory=set)  # unheld containers that yield to turns
     order: list[str] = field(default_factory=list)  # ties go round-robin
-    full_since: dict[str, float] = field(default_factory=dict)  # held, not spending, since
-    light_since: dict[str, float] = field(default_factory=dict)  # held, well under its target, since
-    starved_since: dict[str, float] = field(default_factory=dict)  # unheld, yielding, short, since
+    clocks: HoldClocks = field(default_factory=HoldClocks)  # toward a hold or a release
     thaws: dict[str, collections.deque[tuple[float, float]]] = field(default_factory=dict)
     cycle: Cycle[str] | None = None
     frozen_at: dict[str, float] = field(default_factory=dict)  # frozen lately, whose drain may run
@@ -155,16 +154,29 @@ class TurnLoop:
             c.key
             for c in controls
             if (c.key in data.accounts and not (c.key in models and models[c.key].idle))
-            or self._active(gpu, c.key, recent[c.key])
+            or is_active(self.meter, self.settings, gpu, c.key, recent[c.key])
         }
         for control in controls:
             control.used = used[control.key] or 0.0
-            control.goal = self._target(control, active)
+            control.goal = target(control, active)
         # Caps that take (nearly) the whole GPU between them: yielding to the held ones' turns
         # may cost an unheld one more than the slack left, so one short of its cap gets turns.
         booked = sum(c.goal or 0.0 for c in controls if c.key in active) >= self.settings.booked_percent
         for control in controls:
-            self._hold_or_release(gpu, control, recent[control.key], now, booked=booked)
+            change = hold_or_release(
+                data,
+                state.clocks,
+                control,
+                recent[control.key],
+                now,
+                settings=self.settings,
+                idle_hold_s=self._idle_hold_s,
+                booked=booked,
+            )
+            if change is HoldChange.RELEASE:
+                self._release(gpu, control.key)
+            elif change is HoldChange.HELD:
+                state.next_decision = min(state.next_decision, now)
         held = set(data.accounts)
         data.free = {c.key for c in controls if c.key not in held}
         state.yielding = {
@@ -172,7 +184,7 @@ class TurnLoop:
             for c in controls
             if c.key not in held
             and held
-            and (c.key in active or self._used_lately(gpu, c.key) or c.frozen)
+            and (c.key in active or used_lately(self.meter, self.settings, gpu, c.key) or c.frozen)
             and (self.settings.capped_yield or c.goal is None)
         }
         nominal = state.nominal_s = nominal_cycle(self.settings, len(held) + len(state.yielding))
@@ -189,94 +201,10 @@ class TurnLoop:
             state.next_decision = min(state.next_decision, now)  # the drains showed: go on
         return [c for c in controls if c.key in held or c.key in state.yielding]
 
-    def _active(self, gpu: int, key: str, recent: float | None) -> bool:
-        """Whether the container uses the GPU now: over the last second (``recent``), or over
-        two of its units of work where those are longer (steps of seconds come in bursts)."""
-        model = self.meter.gpus[gpu].attribution.models.get(key)
-        window = min(
-            self.settings.used_window_s,
-            max(self.settings.enter_window_s, 2 * model.drain_max_s if model is not None else 0.0),
-        )
-        used = recent if window == self.settings.enter_window_s else self.meter.used(gpu, key, window)
-        return used is not None and used >= self.settings.active_percent
-
-    def _used_lately(self, gpu: int, key: str) -> bool:
-        """Whether the container used the GPU lately (it may again at any moment: a pause
-        between bursts, a request after a quiet spell), by the device samples or NVML."""
-        used = self.meter.used(gpu, key, self.settings.yield_window_s)
-        return (used is not None and used > 0.1) or self.meter.credited(
-            gpu, key, self.settings.yield_window_s
-        )
-
-    def _target(self, control: ContainerControl, active: set[str]) -> float | None:
-        spec = control.spec
-        if spec.ceiling is None:
-            return None
-        if spec.policy is Policy.BURST_SHARE:
-            contended = any(k != control.key for k in active)
-            return float(spec.cores if contended else spec.ceiling)
-        return float(spec.ceiling)
-
-    def _hold_or_release(
-        self, gpu: int, control: ContainerControl, recent: float | None, now: float, *, booked: bool
-    ) -> None:
-        data = self.meter.gpus[gpu]
-        state = self._gpus[gpu]
-        key, goal = control.key, control.goal
-        account = data.accounts.get(key)
-        model = data.attribution.models.get(key)
-        idle = model is not None and model.idle
-        if goal is None or goal >= 100:
-            # A held container that is idle stays held whatever its target meanwhile (a
-            # burst-share one whose neighbours paused with it): they come back held.
-            if account is not None and not (idle and goal is not None):
-                self._release(gpu, key)
-            return
-        if account is None:
-            # Over its target; or, on a booked GPU, yielding to others' turns and short of it
-            # (freezing it for their turns costs it more than the slack): turns of its own and
-            # an account see that it gets its share.
-            if control.yielding and control.used < goal - self.settings.starved_pp:
-                starved = booked and now - state.starved_since.setdefault(key, now) >= self.settings.starved_s
-            else:
-                state.starved_since.pop(key, None)
-                starved = False
-            if starved or (recent is not None and recent > goal + self.settings.hold_margin_pp):
-                state.starved_since.pop(key, None)
-                share = goal / 100
-                data.accounts[key] = account = Account(share, 0.0, data.attribution.replayed_to, now)
-                account.balance = account.quantum(self.settings)
-                state.next_decision = min(state.next_decision, now)
-            return
-        account.share = goal / 100
-        if model is not None and model.drains:
-            # A unit that started as it was thawed and runs on after the shortest thaw.
-            account.unit = model.drain_max_s + self.settings.min_thaw_s
-        quantum = account.quantum(self.settings)
-        if idle:  # it does not save up while it has nothing to run
-            account.balance = min(account.balance, self.settings.idle_balance_quanta * quantum)
-        full = self.settings.idle_balance_quanta * quantum if idle else account.bank(self.settings)
-        unspent = account.balance >= full - 1e-9
-        # Held, but using well under its target all along: its turns are not what keeps it
-        # there (an open-loop server between requests); held, its long turns leave the GPU idle.
-        light = control.used < goal - self.settings.release_under_pp
-        if light:
-            if now - state.light_since.setdefault(key, now) >= self._idle_hold_s:
-                self._release(gpu, key)
-                return
-        else:
-            state.light_since.pop(key, None)
-        if unspent:
-            if now - state.full_since.setdefault(key, now) >= self._idle_hold_s:
-                self._release(gpu, key)  # it does not use what it earns: it needs less
-        else:
-            state.full_since.pop(key, None)
-
     def _release(self, gpu: int, key: str) -> None:
         state = self._gpus[gpu]
         self.meter.gpus[gpu].accounts.pop(key, None)
-        state.full_since.pop(key, None)
-        state.light_since.pop(key, None)
+        state.clocks.released(key)
         state.pending = [p for p in state.pending if p[1] != key]
         if state.turn is not None and state.turn.key == key:
             state.next_decision = self._now()
@@ -292,7 +220,7 @@ class TurnLoop:
         state = self._gpus[gpu]
         self._release(gpu, key)
         state.controls.pop(key, None)
-        state.starved_since.pop(key, None)
+        state.clocks.starved_since.pop(key, None)
         state.yielding.discard(key)
         state.thaws.pop(key, None)
         state.figured.pop(key, None)
