@@ -11,6 +11,7 @@ together) are sampled apart from /proc/<pid>/stat (CPU) and /proc/<pid>/status (
 Targets: RSS <= 150 MB, CPU <= 3% of one core (the agent alone).
 
     .venv/bin/python bench/footprint.py [--seconds 60] [--containers 128] [--busy 1] [--settle 15] [--parts]
+        [--agent-arg ARG ...]
 
 Last line: ``RESULT rss_mb=<agent RSS under load> cpu_pct=<agent CPU under load, % of one core>
 engine_cpu_pct=<the GPU engine's> workloads_cpu_pct=<all workloads'> throttled=<containers held at the
@@ -319,6 +320,14 @@ def main() -> None:
         action="store_true",
         help="also print the thread CPU of the agent's main functions over the loaded window (bench/parts/)",
     )
+    parser.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument of `vcuda-agent run` (repeat it: --agent-arg=--memory-check --agent-arg=1), "
+        "to compare a setting's cost side by side",
+    )
     args = parser.parse_args()
     wakeup_us = wakeup_cost_us()
     print(f"this machine: one thread wakeup costs {wakeup_us:.1f} us of CPU")
@@ -331,7 +340,7 @@ def main() -> None:
         os.environ["VCUDA_PARTS"], os.environ["VCUDA_PARTS_OUT"] = ",".join(PARTS), str(parts_file)
     try:
         port = free_port()
-        agent_args = ("--log-level", "WARNING", "--metrics-address", f"127.0.0.1:{port}")
+        agent_args = ("--log-level", "WARNING", "--metrics-address", f"127.0.0.1:{port}", *args.agent_arg)
         with enforced_node(workdir, SPEC, agent_args=agent_args) as node:
             agent = node.agent.pid
             watchdogs = [p for p in children(agent) if is_watchdog(p)]  # not the BPF loader child

@@ -51,6 +51,32 @@ def test_the_run_table_lists_every_run_option_in_its_own_row() -> None:
     assert set(_options(_commands()["run"])) <= rows | {"--help"}
 
 
+def test_the_run_table_gives_each_numeric_option_the_default_the_parser_has() -> None:
+    table = README.split("### `vcuda-agent run`")[1].split("### ")[0]
+    shown = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.split("|")]
+            shown[cells[1].strip("`").split()[0]] = cells[2].strip("`")
+    compared, wrong = 0, []
+    for action in _commands()["run"]._actions:
+        default = action.default
+        if not isinstance(default, (int, float)) or isinstance(default, bool):
+            continue
+        for option in action.option_strings:
+            if option not in shown:
+                continue
+            compared += 1
+            try:
+                same = float(shown[option]) == float(default)
+            except ValueError:
+                same = False
+            if not same:
+                wrong.append(f"{option}: README says {shown[option]!r}, the parser {default!r}")
+    assert compared >= 5, f"only {compared} numeric defaults found in the run table"
+    assert not wrong, wrong
+
+
 def test_every_node_config_field_is_in_the_readme() -> None:
     for name in nodeconfig._NODE_FIELDS:
         assert f"`{name}" in README or f"`nodeConfig[].{name}`" in README, name
