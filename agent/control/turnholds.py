@@ -7,8 +7,10 @@ is held (an account of its own, turns) or released.
   (``release_under_pp``) for ``idle_hold_s``; or it did not spend what it earned for as long
   (it needs less than its share).
 
-Pure decisions over the meter's figures; :class:`~agent.control.turnloop.TurnLoop` applies
-them (a release drops its pending actions, a new account brings the next decision forward).
+Decisions over the meter's figures. A hold opens the container's account (in the GPU's
+``GpuTurnsData``) and a held one's share and unit follow its target here;
+:class:`~agent.control.turnloop.TurnLoop` applies the rest (a release drops the account and
+its pending actions, a new account brings the next decision forward).
 """
 
 from __future__ import annotations
